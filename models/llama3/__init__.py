@@ -1,0 +1,56 @@
+"""Llama-3 model family: flavors (published Llama 3 / 3.1 / 3.2 sizes), builder, TP plan."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
+from .parallelize import apply_tp
+
+LLAMA3_VOCAB_SIZE = 128256
+
+llama3_configs: dict[str, ModelArgs] = {
+    # Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size).
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
+                    ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
+                    ffn_dim_multiplier=1.0, multiple_of=256, rope_theta=500000),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
+                    ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
+                     ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
+                      ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000),
+}
+
+
+def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> ModelArgs:
+    """A fresh copy of a flavor's ModelArgs; ``vocab_size`` (if given) and ``overrides`` replace fields."""
+    if flavor not in llama3_configs:
+        raise ValueError(f"unknown llama3 flavor {flavor!r}; choose one of {sorted(llama3_configs)}")
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    return dataclasses.replace(llama3_configs[flavor], **overrides)
+
+
+def build_model(flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta",
+                **overrides) -> Transformer:
+    """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (parallelize, then
+    ``to_empty`` and ``init_weights``); on a real device the weights are initialized from the current RNG exactly as the meta path would.
+
+    ``vocab_size`` is required for "debugmodel"; ``overrides`` (e.g. ``max_seq_len=...``) replace ModelArgs fields.
+    """
+    args = get_model_args(flavor, vocab_size, **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if torch.device(device).type != "meta":
+        # Same path as the parallel trainer (meta -> to_empty -> init_weights): same weights for the same seed.
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+__all__ = ["ModelArgs", "Transformer", "TransformerBlock", "llama3_configs", "get_model_args", "build_model",
+           "apply_tp", "get_nparams_and_flops", "LLAMA3_VOCAB_SIZE"]

@@ -1,0 +1,226 @@
+"""Llama-3 decoder-only transformer, without any parallelism code.
+
+Parallelism (TP, FSDP2, DMuon) is applied from outside by FQN: see ``parallelize.py``. The model is built on
+the meta device, parallelized, materialized with ``to_empty`` and initialized with ``init_weights`` (torchtitan
+style), so nothing here may depend on parameter values at construction time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: n_heads (plain multi-head attention)
+    vocab_size: int = -1  # set from the tokenizer for the debug flavor
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048  # length of the precomputed RoPE table; the trainer sets it to its seq_len
+    depth_init: bool = True  # torchtitan: output-projection init std shrinks with the layer index
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The Llama rule: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def validate(self) -> None:
+        if self.vocab_size <= 0:
+            raise ValueError(f"ModelArgs.vocab_size must be set (> 0), got {self.vocab_size}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """Return the RoPE table ``[max_seq_len, head_dim // 2, 2]`` holding (cos, sin) per position and pair.
+
+    Real-valued rather than complex so that meta-device construction, ``to_empty`` and ``torch.compile``
+    need no complex support.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (Meta's interleaved layout) of ``x [B, L, H, D]`` by the table ``rope``."""
+    b, seqlen, h, d = x.shape
+    xr = x.float().reshape(b, seqlen, h, d // 2, 2)
+    cos = rope[:seqlen, :, 0].view(1, seqlen, 1, d // 2)
+    sin = rope[:seqlen, :, 1].view(1, seqlen, 1, d // 2)
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm written with elementwise ops and a last-dim mean, so it runs on sequence-sharded DTensors."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention. Head counts come from the projections' (possibly TP-sharded) output
+    width via ``view(..., -1, head_dim)``, so the same code runs with n_heads // tp local heads."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads  # invariant under TP: q and kv heads shard alike
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for lin in (self.w2, self.w3):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm block; a module with its own forward so FSDP2/DMuon hooks can attach at ``layers.N``."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        depth = (layer_id + 1) if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."n-1" (torchtitan): FQNs stay `layers.N...` even if layers are dropped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope_cache", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [B, L]`` (int64) -> logits ``[B, L, vocab_size]`` in the compute dtype."""
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every parameter and the RoPE buffer in place; call after ``to_empty``.
+
+        Deterministic given the RNG state (``torch.manual_seed``) and the module order.
+        """
+        device = torch.device(buffer_device) if buffer_device is not None else self.rope_cache.device
+        with torch.device(device):
+            self.rope_cache = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        std, cutoff = self.args.dim ** -0.5, 3.0
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Global parameter count (DTensor ``numel`` is global, so this holds after TP/FSDP too)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (torchtitan/PaLM convention): 6 * non-embedding params for the matmuls
+        (forward + backward) plus 12 * layers * heads * head_dim * seq_len for attention scores/values."""
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
+
+def get_nparams_and_flops(model: Transformer, seq_len: int) -> tuple[int, int]:
+    """``(total params, training FLOPs per token)`` for MFU reporting."""
+    return model.num_params(), model.num_flops_per_token(seq_len)
+
+
+__all__ = ["ModelArgs", "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
+           "precompute_rope", "apply_rope", "get_nparams_and_flops"]

@@ -1,0 +1,103 @@
+import logging
+import os
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from titan_dmuon.config import Metrics
+from titan_dmuon.metrics import (
+    MetricsLogger,
+    device_memory_stats,
+    get_peak_flops,
+    num_flops_per_token,
+    peak_flops_for_name,
+    throughput_metrics,
+)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_tensorboard_and_console(tmp_path, caplog):
+    clock = FakeClock()
+    m = MetricsLogger(Metrics(log_freq=1), str(tmp_path), rank=0, total_steps=20, clock=clock)
+    rows = {
+        1: {"loss/train": 3.5, "grad_norm": 1.25, "lr": 0.01, "throughput/tokens_per_sec": 12345.0,
+            "throughput/tflops": 0.5, "memory/rss_gib": 1.5, "dmuon/bytes_broadcast": 4096.0,
+            "dmuon/ns_time_s": 0.125},
+        2: {"loss/train": 3.0, "grad_norm": 0.75, "lr": 0.02, "throughput/tokens_per_sec": 23456.0,
+            "mfu": 35.2, "memory/max_reserved_gib": 2.0, "memory/max_reserved_pct": 12.5,
+            "dmuon/bytes_broadcast": 8192.0, "dmuon/ns_time_s": 0.25},
+    }
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+        m.log(1, rows[1])
+        clock.t += 30.0  # 30 s per step -> 18 steps left -> 9 minutes
+        m.log(2, rows[2])
+    m.close()
+
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert len(lines) == 2
+    assert "loss: 3.5000" in lines[0] and "grad_norm: 1.2500" in lines[0] and "lr: 1.00e-02" in lines[0]
+    assert "tps: 12,345" in lines[0] and "tflops: 0.500" in lines[0] and "rss: 1.50GiB" in lines[0]
+    assert "eta" not in lines[0]
+    assert "step:    2" in lines[1] and "loss: 3.0000" in lines[1] and "mfu: 35.20%" in lines[1]
+    assert "memory: 2.00GiB (12.5%)" in lines[1] and "eta: 0:09:00" in lines[1]
+
+    tb_dir = tmp_path / "tb"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb_dir))
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == set(rows[1]) | set(rows[2])
+    for tag in ["loss/train", "grad_norm", "lr", "dmuon/bytes_broadcast", "dmuon/ns_time_s"]:
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [1, 2]
+        assert [e.value for e in events] == pytest.approx([rows[1][tag], rows[2][tag]], rel=1e-6)
+    assert [(e.step, e.value) for e in acc.Scalars("mfu")] == [(2, pytest.approx(35.2, rel=1e-6))]
+
+
+def test_non_zero_rank_and_disabled_tensorboard_write_nothing(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+        m = MetricsLogger(Metrics(), str(tmp_path / "r1"), rank=1, total_steps=5)
+        m.log(1, {"loss/train": 1.0})
+        m.close()
+        m = MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path / "r0"), rank=0)
+        m.log(1, {"loss/train": 2.0})
+        m.close()
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r0").exists()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert lines == ["step:    1  loss: 2.0000"]
+
+
+def test_flops_helpers():
+    # 6N + 12 L H Q T
+    assert num_flops_per_token(1000, 2, 4, 8, 16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for_name("NVIDIA H200") == 989e12
+    assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for_name("NVIDIA H20") == 148e12
+    assert peak_flops_for_name("NVIDIA B200") == 2.25e15
+    assert peak_flops_for_name("Some GPU") is None
+    assert get_peak_flops("cpu") is None
+    tm = throughput_metrics(tokens=2048, seconds=0.5, flops_per_token=10**9, peak_flops=989e12)
+    assert tm["throughput/tokens_per_sec"] == 4096.0
+    assert tm["throughput/tflops"] == pytest.approx(4.096)
+    assert tm["mfu"] == pytest.approx(100 * 4.096e12 / 989e12)
+    assert "mfu" not in throughput_metrics(2048, 0.5, 10**9, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path")
+def test_memory_stats_cpu():
+    before = device_memory_stats("cpu")
+    assert 0 < before["memory/rss_gib"] < 1024 and 0 < before["memory/max_rss_gib"] < 1024
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # 64 MiB, touched
+    after = device_memory_stats("cpu")
+    assert after["memory/rss_gib"] >= before["memory/rss_gib"] + 0.05
+    del big

@@ -1,0 +1,48 @@
+import json
+
+import torch
+
+from titan_dmuon.config import Profiling
+from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+
+def run_steps(prof, first, last):
+    for step in range(first, last + 1):
+        with torch.profiler.record_function(f"train_step_{step}"):
+            torch.mm(torch.randn(4, 4), torch.randn(4, 4))
+        prof.step()
+
+
+def recorded_steps(path):
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted(e["name"] for e in events if str(e.get("name", "")).startswith("train_step_"))
+
+
+def test_trace_written_every_profile_freq_steps(tmp_path):
+    cfg = Profiling(enable_profiling=True, profile_freq=3, save_traces_folder="traces")
+    with maybe_enable_profiling(cfg, str(tmp_path), global_step=0, rank=0) as prof:
+        run_steps(prof, 1, 7)
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json"))
+    assert written == ["traces/iteration_3/rank0_trace.json", "traces/iteration_6/rank0_trace.json"]
+    # each trace holds exactly the step it is named after
+    assert recorded_steps(tmp_path / "traces/iteration_3/rank0_trace.json") == ["train_step_3"]
+    assert recorded_steps(tmp_path / "traces/iteration_6/rank0_trace.json") == ["train_step_6"]
+
+
+def test_resumed_run_keeps_absolute_steps(tmp_path):
+    cfg = Profiling(enable_profiling=True, profile_freq=3)
+    with maybe_enable_profiling(cfg, str(tmp_path), global_step=4, rank=2) as prof:
+        run_steps(prof, 5, 6)
+    trace = tmp_path / "profile_traces/iteration_6/rank2_trace.json"
+    assert [p for p in tmp_path.rglob("*.json")] == [trace]
+    assert recorded_steps(trace) == ["train_step_6"]
+
+
+def test_disabled_is_a_noop(tmp_path):
+    with maybe_enable_profiling(Profiling(enable_profiling=False, profile_freq=1), str(tmp_path)) as prof:
+        prof.step()
+    with maybe_enable_memory_snapshot(Profiling(enable_memory_snapshot=True, profile_freq=1), str(tmp_path)) as snap:
+        snap.step()  # CPU build: no recorder, a no-op
+        snap.step(exit_ctx=True)
+    if not torch.cuda.is_available():
+        assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,189 @@
+"""JobConfig: one dataclass per TOML section, one docstring per field.
+
+The attribute docstrings are what `python train.py --help` shows (tyro reads them), so they say
+what a value means and what it is for, not just its type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: TensorBoard events, profiler traces, checkpoints."""
+    description: str = "default job"
+    """Free-text description of the run, logged at start-up."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family, a package under models/."""
+    flavor: str = "debugmodel"
+    """Model size preset of that family (e.g. debugmodel, 8B, 70B)."""
+    tokenizer: str = "byte"
+    """Tokenizer: "byte" for the built-in byte-level tokenizer, else a path to a Hugging Face tokenizer.json."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["dmuon", "adamw"] = "dmuon"
+    """Optimizer: "dmuon" = Muon on the params matched by muon_params (each updated by one owner rank) and AdamW on the rest. "adamw": plain AdamW on every param with the adamw_* settings (lr, momentum and ns_* unused)."""
+    lr: float = 0.02
+    """Muon learning rate (before adjust_lr_fn scaling and the lr schedule)."""
+    momentum: float = 0.95
+    """Muon momentum (EMA factor of the gradient buffer)."""
+    nesterov: bool = True
+    """Use Nesterov momentum for Muon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon params."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalize the Muon update."""
+    ns_coefficients: Literal["polar_express", "muon"] = "polar_express"
+    """Newton-Schulz coefficients: "polar_express" (per-iteration set) or "muon" ((3.4445, -4.775, 2.0315) repeated)."""
+    eps: float = 1e-7
+    """Added to the Frobenius norm before Newton-Schulz normalizes the update."""
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)), lets Muon reuse AdamW lrs) or "original" (sqrt(max(1, rows/cols)))."""
+    adamw_lr: float = 1e-3
+    """AdamW learning rate of the non-Muon params (embeddings, norms, output), and of all params for name="adamw"."""
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    adamw_eps: float = 1e-8
+    """AdamW epsilon."""
+    adamw_weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    ns_dtype: Literal["", "float32", "bfloat16"] = ""
+    """Newton-Schulz precision; empty keeps the library default (float32 on CPU, bfloat16 on CUDA)."""
+    tp_distributed_gram: bool = False
+    """With tensor parallelism, compute the Newton-Schulz Gram matrix across the TP ranks instead of gathering the full matrix on the TP owner."""
+    muon_params: str = DEFAULT_MUON_PARAMS
+    """Regex over parameter FQNs (as in model.named_parameters()) selecting the Muon params; others use AdamW."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup; the factor goes (step+1)/(warmup_steps+1), so it starts near 0, not at 0."""
+    decay_ratio: float | None = None
+    """Fraction of training.steps spent decaying at the end; the steps between warmup and decay keep the full lr. Unset (None) decays over every step after warmup."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """Decay shape: linear, cosine (half period) or sqrt (1 - sqrt(progress))."""
+    min_lr_factor: float = 0.0
+    """The decay ends at lr * min_lr_factor."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-batch."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    steps: int = 10000
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches whose gradients are summed before each optimizer step."""
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the params in forward/backward (FSDP2 MixedPrecisionPolicy param_dtype); master weights stay float32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduction (FSDP2 MixedPrecisionPolicy reduce_dtype)."""
+    seed: int | None = None
+    """Random seed for model init and data order; unset = nondeterministic."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower), for bit-reproducible runs."""
+    dataset: Literal["stdlib", "text", "jsonl", "parquet"] = "stdlib"
+    """Dataset kind: "stdlib" = the embedded default corpus (Python standard library sources, works offline); "text", "jsonl", "parquet": files at dataset_path."""
+    dataset_path: str = ""
+    """File, folder or glob of the dataset files (unused for "stdlib")."""
+    dataset_field: str = "text"
+    """Field holding the text in JSONL records and parquet columns."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (the HSDP replicate axis; DDP when the shard degree is 1)."""
+    data_parallel_shard_degree: int = -1
+    """Ranks one replica is sharded over (FSDP2 / DMuon ownership); -1 = world_size // (replicate * tp)."""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (the innermost mesh axis)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2)."""
+    dmuon_reshard_after_forward: bool = True
+    """Free the gathered DMuon (dedicated) params after forward and gather them again for backward."""
+    replicate_async: bool = True
+    """With HSDP, publish the updated DMuon params over the replicate axis asynchronously (overlapped with the next forward) instead of before the step returns."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "selective", "full"] = "none"
+    """Activation checkpointing: "none", "selective" (recompute cheap ops only) or "full" (every block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events (rank 0)."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, under job.dump_folder."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record a torch.profiler trace every profile_freq steps."""
+    profile_freq: int = 100
+    """Steps between traces; the trace covers the last step of each period."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, under job.dump_folder (iteration_<step>/rank<r>_trace.json)."""
+    enable_memory_snapshot: bool = False
+    """Record CUDA memory history and dump a snapshot every profile_freq steps (CUDA only)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, under job.dump_folder."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on held-out data during training."""
+    freq: int = 100
+    """Validate every this many steps."""
+    steps: int = 10
+    """Batches per validation."""
+    dataset: Literal["", "stdlib", "text", "jsonl", "parquet"] = ""
+    """Empty = a held-out split of the training dataset; else a dataset kind as in training.dataset."""
+    dataset_path: str = ""
+    """Files of the validation dataset when dataset is set ("" = training.dataset_path)."""
+
+
+@dataclass
+class JobConfig:
+    """titan_dmuon training. Load a TOML file with --config PATH; --section.field flags override it."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)

@@ -1,0 +1,293 @@
+"""Build a JobConfig: defaults <- TOML file (--config) <- CLI flags (tyro), then validate.
+
+TOML values are type-checked here against the dataclass annotations (tyro only sees the CLI), so a typo
+or a wrong type in a config file fails at start-up with the file, the key and the fix, not mid-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import tyro
+
+from titan_dmuon.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message says which key, where, and what is allowed."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Types: one checker used for TOML values and for the final validation.
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if _is_union(tp):
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return "array of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value converted to tp). bool is not accepted as int/float; int is accepted as float."""
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in typing.get_args(tp)), value
+    if _is_union(tp):
+        for arg in typing.get_args(tp):
+            ok, converted = _coerce(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            return False, value
+        pairs = [_coerce(v, a) for v, a in zip(value, args)]
+        return all(ok for ok, _ in pairs), tuple(v for _, v in pairs)
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _fields(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _bad_value_message(key: str, value: Any, tp: Any, where: str) -> str:
+    if typing.get_origin(tp) is Literal:
+        allowed = ", ".join(repr(a) for a in typing.get_args(tp))
+        return f"invalid value {value!r} for {key}{where}: allowed values are {allowed}"
+    return f"wrong type for {key}{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+
+
+def _closest(name: str, candidates: Sequence[str]) -> str | None:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# TOML
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
+    """JobConfig from a {section: {key: value}} dict (a parsed TOML file named `source`)."""
+    sections = _sections()
+    all_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _fields(cls)]
+    where = f" in {source}"
+    built = {}
+    for section, table in data.items():
+        if section not in sections:
+            hint = _closest(section, list(sections))
+            msg = f"unknown section [{section}]{where}"
+            raise ConfigError(msg + (f"; did you mean [{hint}]?" if hint else f"; valid sections: {', '.join(sections)}"))
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}]{where} must be a table of keys, got {table!r}")
+        fields = _fields(sections[section])
+        values = {}
+        for key, value in table.items():
+            if key not in fields:
+                # The same name in another section (misplaced key), else a near miss in this section,
+                # else a near miss anywhere.
+                hint = next((k for k in all_keys if k.split(".", 1)[1] == key), None)
+                if hint is None:
+                    near = _closest(key, list(fields))
+                    hint = f"{section}.{near}" if near else _closest(f"{section}.{key}", all_keys)
+                msg = f"unknown key {section}.{key}{where}"
+                raise ConfigError(msg + (f"; did you mean {hint}?" if hint else f"; valid keys: {', '.join(fields)}"))
+            ok, converted = _coerce(value, fields[key])
+            if not ok:
+                raise ConfigError(_bad_value_message(f"{section}.{key}", value, fields[key], where))
+            values[key] = converted
+        built[section] = sections[section](**values)
+    return JobConfig(**built)
+
+
+def load_toml(path: str | os.PathLike) -> JobConfig:
+    """JobConfig from a TOML file: missing sections and keys keep their defaults."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"invalid TOML in {path}: {e}") from None
+    return config_from_dict(data, source=path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate_config(cfg: JobConfig) -> JobConfig:
+    """Types and choices of every field, then the ranges that would otherwise fail deep in a run."""
+    for section, section_cls in _sections().items():
+        obj = getattr(cfg, section)
+        _check(isinstance(obj, section_cls), f"{section} must be a {section_cls.__name__}, got {obj!r}")
+        for key, tp in _fields(section_cls).items():
+            value = getattr(obj, key)
+            _check(_coerce(value, tp)[0], _bad_value_message(f"{section}.{key}", value, tp, ""))
+
+    t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
+    for key, value in [("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),
+                       ("training.steps", t.steps), ("training.gradient_accumulation_steps",
+                       t.gradient_accumulation_steps), ("optimizer.ns_steps", o.ns_steps),
+                       ("metrics.log_freq", cfg.metrics.log_freq), ("profiling.profile_freq",
+                       cfg.profiling.profile_freq), ("validation.freq", cfg.validation.freq),
+                       ("validation.steps", cfg.validation.steps),
+                       ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+                       ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree)]:
+        _check(value >= 1, f"{key} must be >= 1, got {value}")
+    _check(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+           f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}")
+    for key, value in [("optimizer.lr", o.lr), ("optimizer.adamw_lr", o.adamw_lr), ("optimizer.eps", o.eps),
+                       ("optimizer.adamw_eps", o.adamw_eps), ("optimizer.weight_decay", o.weight_decay),
+                       ("optimizer.adamw_weight_decay", o.adamw_weight_decay),
+                       ("training.max_norm", t.max_norm), ("lr_scheduler.warmup_steps", s.warmup_steps)]:
+        _check(value >= 0, f"{key} must be >= 0, got {value}")
+    _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
+    _check(all(0 <= b < 1 for b in o.adamw_betas), f"optimizer.adamw_betas must be in [0, 1), got {o.adamw_betas}")
+    _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+           f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}")
+    _check(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
+    try:
+        re.compile(o.muon_params)
+    except re.error as e:
+        raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {o.muon_params!r}") from None
+    _check(t.dataset == "stdlib" or bool(t.dataset_path),
+           f"training.dataset_path is required for training.dataset = {t.dataset!r}")
+    return cfg
+
+
+def validate_parallelism(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
+    """(replicate, shard, tp) degrees for this world size, resolving shard = -1 to the remaining ranks."""
+    p = cfg.parallelism
+    dp_replicate, dp_shard, tp = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree
+    if dp_shard == -1:
+        rest, remainder = divmod(world_size, dp_replicate * tp)
+        if remainder or rest == 0:
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree = -1 cannot be resolved: world size {world_size} is not "
+                f"divisible by data_parallel_replicate_degree ({dp_replicate}) x tensor_parallel_degree ({tp}) "
+                f"= {dp_replicate * tp}")
+        dp_shard = rest
+    product = dp_replicate * dp_shard * tp
+    if product != world_size:
+        raise ConfigError(
+            f"parallelism degrees do not match the world size: data_parallel_replicate_degree ({dp_replicate}) x "
+            f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) = {product}, "
+            f"but the world size is {world_size}")
+    return dp_replicate, dp_shard, tp
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Take `--config PATH` / `--config=PATH` out of argv (tyro never sees it)."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("--config needs a path to a TOML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def _normalize_bools(argv: list[str]) -> list[str]:
+    """Accept TOML-style true/false (any case) for bool flags; tyro only takes True/False."""
+    bool_flags = {f"--{s}.{k}" for s, cls in _sections().items() for k, tp in _fields(cls).items() if tp is bool}
+    out = []
+    for i, arg in enumerate(argv):
+        flag, eq, val = arg.partition("=")
+        flag = flag.replace("-", "_").replace("__", "--", 1) if flag.startswith("--") else flag
+        if eq and flag in bool_flags and val.lower() in ("true", "false"):
+            arg = f"{arg.partition('=')[0]}={val.capitalize()}"
+        elif i > 0 and arg.lower() in ("true", "false"):
+            prev = argv[i - 1].replace("-", "_").replace("__", "--", 1)
+            if prev in bool_flags:
+                arg = arg.capitalize()
+        out.append(arg)
+    return out
+
+
+class ConfigManager:
+    """Parses argv into a validated JobConfig (precedence: CLI > TOML > defaults)."""
+
+    def __init__(self) -> None:
+        self.config_path: str | None = None
+        self.config: JobConfig | None = None
+
+    def parse_args(self, argv: Sequence[str] | None = None) -> JobConfig:
+        """Raises ConfigError for config-file and validation errors; tyro exits with code 2 (and names
+        the flag) for unknown or malformed CLI flags, and prints --help."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        self.config_path, rest = _split_config_flag(argv)
+        base = load_toml(self.config_path) if self.config_path else JobConfig()
+        cfg = tyro.cli(JobConfig, default=base, args=_normalize_bools(rest),
+                       config=(tyro.conf.FlagConversionOff,))
+        self.config = validate_config(cfg)
+        return self.config
+
+
+def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
+    """ConfigManager().parse_args(argv)."""
+    return ConfigManager().parse_args(argv)
+
+
+def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
+    """For entry points: a ConfigError prints `config error: ...` to stderr and exits with status 2."""
+    try:
+        return parse_args(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

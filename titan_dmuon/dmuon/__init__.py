@@ -1,0 +1,67 @@
+"""DMuon: distributed Muon by dedicated ownership (public API; importing installs the FSDP2 patch).
+
+    from titan_dmuon import dmuon
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    for layer in model.layers: fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn as nn
+
+from . import partition
+from .api import dedicate_params, get_owned_params, _require_state
+from .checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from .clip import clip_grad_norm_
+from .fsdp2_patch import install_patch
+from .muon import Muon
+from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
+from .param import DedicatedParam
+
+install_patch()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Skip gradient communication inside the block (grad accumulation): DMuon's reduces and FSDP2's.
+
+    Local grads accumulate on every rank; the first backward outside the block reduces the sum.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    state = _require_state(model, "no_sync")
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        with state.no_sync():
+            yield
+    finally:
+        for m in fsdp:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+__all__ = [
+    "DedicatedParam",
+    "Muon",
+    "clip_grad_norm_",
+    "dedicate_params",
+    "get_model_state_dict",
+    "get_ns_backend",
+    "get_optimizer_state_dict",
+    "get_owned_params",
+    "install_patch",
+    "no_sync",
+    "partition",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "zeropower_via_newtonschulz",
+]

@@ -1,0 +1,148 @@
+"""Entry points that hand Muon-target matrices to dedicated owners (call after TP, before fully_shard)."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import replicate as _replicate
+from .group import DedicatedParamGroup, DMuonState
+from .hooks import resolve_hook_modules
+from .param import DedicatedParam
+from .partition import PartitionItem, compute_balanced_assignment
+
+Predicate = Callable[[str, nn.Parameter], bool]
+Owner = Union[int, tuple[int, int]]
+
+
+def _get_state(model: nn.Module) -> Optional[DMuonState]:
+    return getattr(model, "_dmuon_state", None)
+
+
+def _check_mesh(mesh: DeviceMesh, what: str, expected_name: str | None) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{what} must be a 1D mesh, got {mesh.ndim}D with dims {mesh.mesh_dim_names}: pass the shard "
+            "slice, e.g. dedicate_params(model, mesh['shard'], ..., replicate_mesh=mesh['replicate'])"
+        )
+    names = mesh.mesh_dim_names
+    if expected_name is not None and names is not None and names[0] != expected_name:
+        raise ValueError(
+            f"{what} is named {names[0]!r} but HSDP needs mesh_dim_names ('replicate', 'shard'): build it "
+            "with init_device_mesh(device, (R, G), mesh_dim_names=('replicate', 'shard'))"
+        )
+
+
+def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parameter]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(
+            "dedicate_params must be called before fully_shard: FSDP2 already owns this model's params. "
+            "Order: parallelize_module (TP) -> dmuon.dedicate_params -> fully_shard"
+        )
+    selected = []
+    for name, p in model.named_parameters():
+        if not predicate(name, p):
+            continue
+        if p.ndim != 2:
+            raise ValueError(
+                f"dedicate_params: the predicate selected '{name}' with shape {tuple(p.shape)}, but DMuon "
+                "dedicates 2D matrices only: add `p.ndim == 2` to the predicate"
+            )
+        if p.device.type == "meta":
+            raise ValueError(f"dedicate_params: '{name}' is on the meta device: materialize the model first")
+        if not p.requires_grad:
+            continue
+        selected.append((name, p))
+    if not selected:
+        raise ValueError("dedicate_params: the predicate selected no 2D parameter that requires grad")
+    return selected
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate,
+    *,
+    replicate_mesh: Optional[DeviceMesh] = None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    tp_buffer_reuse: Union[bool, str] = False,
+) -> dict[nn.Parameter, Owner]:
+    """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
+
+    `mesh` is the 1D shard mesh; `replicate_mesh` turns on HSDP (owners are `(shard, replicate)`
+    coordinates over all G·R slots). `reshard_after_forward=True` is DMuon-Z3, False DMuon-Z2.
+    Returns each dedicated param's owner: `int` (1D) or `(shard, replicate)` (HSDP).
+    """
+    if _get_state(model) is not None:
+        raise RuntimeError("dedicate_params was already called on this model: call it once, for all params")
+    _check_mesh(mesh, "mesh", "shard" if replicate_mesh is not None else None)
+    if replicate_mesh is not None:
+        _check_mesh(replicate_mesh, "replicate_mesh", "replicate")
+    if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
+        raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
+    selected = _select(model, predicate)
+    return _dedicate(model, selected, mesh, replicate_mesh, reshard_after_forward=reshard_after_forward,
+                     hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype, mode="fsdp")
+
+
+def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, hook_boundary_predicate,
+              param_dtype, mode) -> dict[nn.Parameter, Owner]:
+    state = DMuonState(shard_mesh=mesh, replicate_mesh=replicate_mesh,
+                       reshard_after_forward=reshard_after_forward, mode=mode)
+    G, R = state.shard_size, state.replicate_size
+    hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
+    items = [PartitionItem(n, tuple(p.shape), hook_of[n]) for n, p in selected]
+    slots = compute_balanced_assignment(items, G * R)
+
+    by_module: dict[str, list[DedicatedParam]] = {}
+    for name, p in selected:
+        slot = slots[name]
+        dp = DedicatedParam(fqn=name, param=p, owner_shard=slot % G, owner_replicate=slot // G,
+                            shard_rank=state.shard_rank, replicate_rank=state.replicate_rank,
+                            full_shape=p.shape, _orig_size=p.shape)
+        if dp.in_owner_column:
+            dp._owned_data = p.detach().to(torch.float32, copy=True)
+        p._dedicated_owner_rank = dp.owner_rank if R == 1 else (dp.owner_shard, dp.owner_replicate)
+        p._dmuon_param = dp
+        state.dparams.append(dp)
+        state.by_param[p] = dp
+        by_module.setdefault(hook_of[name], []).append(dp)
+
+    module_order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    for fqn in sorted(by_module, key=lambda f: module_order[f]):
+        dps = by_module[fqn]
+        dtype = param_dtype or dps[0].param.dtype
+        group = DedicatedParamGroup(state, len(state.groups), fqn, model.get_submodule(fqn), dps,
+                                    dtype, dps[0].param.device)
+        group.register_hooks()
+        state.groups.append(group)
+    model._dmuon_state = state
+    # The global owner's value is authoritative: make its column peers agree before the first forward.
+    for g in state.groups:
+        _replicate.publish(g).wait()
+    state.ledger.current.clear()
+    state.ledger.current_bytes.clear()
+    return {dp.param: dp.owner_rank for dp in state.dparams}
+
+
+def get_owned_params(model: nn.Module, rank: Optional[int] = None) -> list[DedicatedParam]:
+    """The dedicated params whose global owner is `rank` (default: this process's global rank)."""
+    state = _require_state(model, "get_owned_params")
+    rank = dist.get_rank() if rank is None else rank
+    return [dp for dp in state.dparams if state.owner_global_rank(dp) == rank]
+
+
+def _require_state(model: nn.Module, what: str) -> DMuonState:
+    state = _get_state(model)
+    if state is None:
+        raise RuntimeError(f"{what}: the model has no dedicated params: call dmuon.dedicate_params first")
+    return state

@@ -1,0 +1,179 @@
+"""dmuon.Muon: owner-gated Muon on the dedicated matrices, AdamW (foreach) on every other parameter.
+
+Only the global owner of a matrix runs momentum, Newton-Schulz and the update, on its fp32 `_owned_data`;
+the update follows `torch.optim.Muon` exactly (EMA momentum, Nesterov, decoupled weight decay, lr scaled
+by the full matrix shape). The AdamW half is `torch.optim.AdamW`'s own functional kernel.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.optim.adamw import adamw as _adamw_functional
+
+from . import replicate as _replicate
+from .api import _require_state
+from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
+
+_MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """torch.optim.Muon's lr scaling, on the full logical matrix shape."""
+    a, b = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, a / b))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(a, b))
+    raise ValueError(f"adjust_lr_fn must be 'original', 'match_rms_adamw' or None, got {adjust_lr_fn!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the dedicated matrices of `model`, AdamW for the rest, in one optimizer.
+
+    Param groups carry `kind` "muon" or "adamw" so an lr scheduler scales both halves. `param_groups` is
+    an optional list of `{"params": [...], **overrides}` dicts; each listed param takes those overrides
+    (keys of its own kind), every other param the defaults.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: Coefficients = "polar_express",
+        eps: float = 1e-7,
+        adjust_lr_fn: Optional[str] = "match_rms_adamw",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        param_groups: Optional[Sequence[dict[str, Any]]] = None,
+        ns_dtype: Optional[torch.dtype] = None,
+        replicate_async: bool = True,
+        tp_distributed_gram: bool = False,
+    ):
+        state = getattr(model, "_dmuon_state", None)
+        if state is None:
+            raise RuntimeError(
+                "dmuon.Muon was built before dmuon.dedicate_params: call dedicate_params(model, mesh, "
+                "predicate) first (then fully_shard), and build the optimizer last"
+            )
+        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
+        resolve_coefficients(ns_coefficients, ns_steps)
+        self.model = model
+        self._state = state
+        self.ns_dtype = ns_dtype
+        self.replicate_async = replicate_async
+        self.tp_distributed_gram = tp_distributed_gram
+        muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
+                             adjust_lr_fn=adjust_lr_fn)
+        adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                              weight_decay=adamw_weight_decay)
+        groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
+        super().__init__(groups, {})
+        self.last_step_stats: dict[str, float] = {}
+
+    def _build_groups(self, model, user_groups, muon_defaults, adamw_defaults) -> list[dict]:
+        dedicated = self._state.by_param
+        override: dict[nn.Parameter, int] = {}
+        for i, ug in enumerate(user_groups):
+            for p in ug["params"]:
+                override[p] = i
+        buckets: dict[tuple[str, int], list[nn.Parameter]] = {}
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            kind = "muon" if p in dedicated else "adamw"
+            buckets.setdefault((kind, override.get(p, -1)), []).append(p)
+        groups = []
+        for (kind, ui), params in buckets.items():
+            opts = dict(muon_defaults if kind == "muon" else adamw_defaults)
+            if ui >= 0:
+                keys = _MUON_KEYS if kind == "muon" else _ADAMW_KEYS
+                opts.update({k: v for k, v in user_groups[ui].items() if k in keys})
+            groups.append({"params": params, "kind": kind, **opts})
+        return groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for dp in self._state.dparams:
+            dp._reduced_grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        st = self._state
+        st.drain_publish()  # a publish still in flight reads `_owned_data`: never update under it
+        st.reshard_all()  # any unsharded buffer is stale after this step
+        ns_calls, ns_time = 0, 0.0
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+        muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
+        opts_of = {p: g for g in muon_groups for p in g["params"]}
+        for pgroup in st.groups:
+            for dp in pgroup.params:
+                if not dp.is_owner or dp._reduced_grad is None:
+                    continue
+                t0 = time.perf_counter()
+                self._muon_update(dp, opts_of[dp.param])
+                ns_time += time.perf_counter() - t0
+                ns_calls += 1
+            pgroup.publish_work = _replicate.publish(pgroup)
+        if not self.replicate_async:
+            st.drain_publish()
+        st.ledger.end_step()
+        self.last_step_stats = {"ns_calls": float(ns_calls), "ns_time_s": ns_time,
+                                **{f"elements_{k}": v for k, v in st.ledger.last_step.items()},
+                                **{f"bytes_{k}": v for k, v in st.ledger.last_step_bytes.items()}}
+        return loss
+
+    def _muon_update(self, dp, opts: dict) -> None:
+        grad = dp._reduced_grad
+        state = self.state[dp.param]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(grad)
+        mu = opts["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if opts["nesterov"] else buf
+        ortho = zeropower_via_newtonschulz(
+            update, ns_steps=opts["ns_steps"], coefficients=opts["ns_coefficients"], eps=opts["eps"],
+            dtype=self.ns_dtype or default_ns_dtype(grad.device))
+        data = dp._owned_data
+        data.mul_(1 - opts["lr"] * opts["weight_decay"])
+        data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False,
+                          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                          eps=group["eps"], maximize=False)

@@ -1,0 +1,64 @@
+"""DedicatedParam: one Muon-target matrix and everything DMuon knows about it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .group import DedicatedParamGroup
+
+
+@dataclass(eq=False)
+class DedicatedParam:
+    """A dedicated matrix: its owner coordinates, the owner's fp32 master copy and its reduced grad.
+
+    The module's `param` stays registered in the module but is a view into its group's packed buffer,
+    whose storage exists only while the group is unsharded (placeholder otherwise). `_owned_data`
+    exists on every rank of the owner's shard column (I2); `_reduced_grad` only on the global owner (I3).
+    """
+
+    fqn: str
+    param: nn.Parameter
+    owner_shard: int
+    owner_replicate: int
+    shard_rank: int
+    replicate_rank: int
+    full_shape: torch.Size
+    group: Optional["DedicatedParamGroup"] = None
+    offset: int = 0  # into the group's packed buffer
+    _owned_data: Optional[torch.Tensor] = None
+    _reduced_grad: Optional[torch.Tensor] = None
+    # Tensor parallelism (None / trivial when the param is not TP-sharded).
+    shard_dim: Optional[int] = None
+    tp_group: Optional[dist.ProcessGroup] = None
+    is_tp_owner: bool = True
+    _orig_size: torch.Size = field(default_factory=lambda: torch.Size())
+
+    @property
+    def param_name(self) -> str:
+        return self.fqn
+
+    @property
+    def numel(self) -> int:
+        return self._orig_size.numel()
+
+    @property
+    def owner_rank(self) -> Union[int, tuple[int, int]]:
+        """`int` shard rank in 1D, `(shard, replicate)` under HSDP."""
+        if self.group is not None and self.group.state.replicate_size > 1:
+            return (self.owner_shard, self.owner_replicate)
+        return self.owner_shard
+
+    @property
+    def in_owner_column(self) -> bool:
+        """True on every rank whose shard coordinate is the owner's (the ranks that keep `_owned_data`)."""
+        return self.shard_rank == self.owner_shard
+
+    @property
+    def is_owner(self) -> bool:
+        """I1: the single global owner, the only rank that runs NS and the update."""
+        return self.shard_rank == self.owner_shard and self.replicate_rank == self.owner_replicate

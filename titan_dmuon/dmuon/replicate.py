@@ -1,0 +1,36 @@
+"""The HSDP replicate axis (seed 000, 001 §5): stage-2 grad reduce and the post-step publish.
+
+Stage 2 averages, over the replicate group (a shard column), the row averages that stage 1 left on this
+row's column member, onto the global owner: net divisor G·R. The publish broadcasts the global owner's
+updated `_owned_data` to its column peers (I4) so every row's next shard broadcast sends the same weights.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .comm import Work, broadcast_coalesced, reduce_coalesced
+
+if TYPE_CHECKING:
+    from .group import DedicatedParamGroup
+
+
+def reduce_replicate(group: "DedicatedParamGroup", gbuf: torch.Tensor) -> Work:
+    """Average this column's slice of `gbuf` over the replicate group onto each param's global owner."""
+    st = group.state
+    if st.replicate_group is None:
+        return Work()
+    ops = [(gbuf[s:e], st.replicate_global_rank(rep))
+           for (shard, rep), (s, e) in group.owner_segments.items() if shard == st.shard_rank]
+    return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
+
+
+def publish(group: "DedicatedParamGroup") -> Work:
+    """Broadcast the updated `_owned_data` of this column's params from their global owners (async)."""
+    st = group.state
+    if st.replicate_group is None:
+        return Work()
+    ops = [(dp._owned_data, st.replicate_global_rank(dp.owner_replicate))
+           for dp in group.params if dp.in_owner_column]
+    return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")
