@@ -18,7 +18,8 @@ from .param import DedicatedParam
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
 def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None) -> torch.Tensor:
@@ -31,8 +32,8 @@ def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None) -> tor
 
 def _local_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if isinstance(like, DTensor):
-        return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
-    return full.to(dtype=like.dtype, device=like.device)
+        return distribute_tensor(full.detach().to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+    return full.detach().to(dtype=like.dtype, device=like.device)
 
 
 def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

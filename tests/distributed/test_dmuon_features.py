@@ -1,0 +1,228 @@
+"""DMuon features on real gloo ranks: grad accumulation and no_sync, global-norm clipping, state dicts and
+restart, hook boundaries, param dtype, the FSDP2 patch, and the error messages."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_distributed
+from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimizers
+from tests.tiny_models import TinyMLP, batch, proj_predicate
+
+D, FF, LAYERS, B = 32, 64, 3, 4
+HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
+          adamw_eps=1e-8, adamw_weight_decay=0.01)
+
+
+def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z3=True):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_dmuon import dmuon
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = TinyMLP(D, FF, LAYERS)
+    dmuon.dedicate_params(model, mesh, proj_predicate, reshard_after_forward=z3,
+                          hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype is not None else MixedPrecisionPolicy()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
+                     ns_coefficients="muon", adjust_lr_fn="original", adamw_lr=HP["adamw_lr"],
+                     adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
+                     adamw_weight_decay=HP["adamw_weight_decay"])
+    return model, opt
+
+
+def _reference(world_size: int, steps: int, micro: int = 1, max_norm: float | None = None):
+    torch.manual_seed(0)
+    model = TinyMLP(D, FF, LAYERS)
+    muon, adamw = reference_optimizers(model, proj_predicate, **HP)
+    losses, norms = [], []
+    with fp32_torch_muon():
+        for step in range(steps):
+            for m in range(micro):
+                x = torch.cat([batch(step * micro + m, r, B, D) for r in range(world_size)])
+                loss = model(x)
+                (loss / micro).backward()
+                losses.append(loss.item())
+            if max_norm is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, muon, adamw, model, losses
+
+
+def _accumulate(rank: int, world_size: int, use_no_sync: bool, max_norm):
+    from titan_dmuon import dmuon
+
+    model, opt = _build(world_size)
+    steps, micro, norms = 3, 2, []
+    for step in range(steps):
+        for m in range(micro):
+            x = batch(step * micro + m, rank, B, D)
+            if use_no_sync and m < micro - 1:
+                with dmuon.no_sync(model):
+                    (model(x) / micro).backward()
+                assert model._dmuon_state.ledger.current.get("reduce", 0) == 0 or m > 0
+            else:
+                (model(x) / micro).backward()
+        if max_norm is not None:
+            norms.append(dmuon.clip_grad_norm_(model, opt, max_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return dmuon.get_model_state_dict(model), norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_no_sync,max_norm", [(False, None), (True, None), (False, 0.05)],
+                         ids=["accumulate", "no_sync", "clip"])
+def test_accumulation_no_sync_and_clipping(use_no_sync, max_norm):
+    results = run_distributed(_accumulate, 2, use_no_sync, max_norm)
+    ref_sd, ref_norms, *_ = _reference(2, 3, micro=2, max_norm=max_norm)
+    for sd, norms in results:
+        for k, v in ref_sd.items():
+            assert_rel_close(sd[k], v, 1e-5, k)
+        if max_norm is not None:
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+            assert min(ref_norms) > max_norm  # the clip was active
+
+
+def _checkpoint_restart(rank: int, world_size: int):
+    from titan_dmuon import dmuon
+
+    model, opt = _build(world_size)
+
+    def train(m, o, steps):
+        losses = []
+        for s in steps:
+            loss = m(batch(s, rank, B, D))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    train(model, opt, range(3))
+    msd, osd = dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, opt)
+    straight = train(model, opt, range(3, 6))
+    final_straight = dmuon.get_model_state_dict(model)
+
+    model2, opt2 = _build(world_size)  # a fresh process state: other init would also do
+    dmuon.set_model_state_dict(model2, msd)
+    dmuon.set_optimizer_state_dict(model2, opt2, osd)
+    assert all(torch.equal(dmuon.get_model_state_dict(model2)[k], v) for k, v in msd.items())
+    resumed = train(model2, opt2, range(3, 6))
+    final_resumed = dmuon.get_model_state_dict(model2)
+    return dict(msd=msd, osd=osd, straight=straight, resumed=resumed,
+                equal=all(torch.equal(final_straight[k], final_resumed[k]) for k in final_straight))
+
+
+@pytest.mark.slow
+def test_state_dicts_and_restart_are_exact():
+    results = run_distributed(_checkpoint_restart, 2)
+    ref_sd, _, muon, adamw, ref_model, _ = _reference(2, 3)
+    names = {p: n for n, p in ref_model.named_parameters()}
+    for r in results:
+        assert r["straight"] == r["resumed"]  # bitwise: restart = no restart
+        assert r["equal"]
+        for k, v in ref_sd.items():
+            assert_rel_close(r["msd"][k], v, 1e-5, k)
+        st = r["osd"]["state"]
+        for p, s in muon.state.items():
+            assert_rel_close(st[names[p]]["momentum_buffer"], s["momentum_buffer"], 1e-5, names[p])
+        for p, s in adamw.state.items():
+            assert_rel_close(st[names[p]]["exp_avg"], s["exp_avg"], 1e-5, names[p])
+            assert_rel_close(st[names[p]]["exp_avg_sq"], s["exp_avg_sq"], 1e-4, names[p])
+            assert float(st[names[p]]["step"]) == float(s["step"]) == 3
+        assert {g["kind"] for g in r["osd"]["param_groups"]} == {"muon", "adamw"}
+
+
+def _boundaries_dtype_patch(rank: int, world_size: int):
+    from torch.distributed.tensor import DTensor
+
+    model, opt = _build(world_size, hook_boundary_predicate=lambda m: isinstance(m, torch.nn.Linear))
+    st = model._dmuon_state
+    per_linear = [g.module_fqn for g in st.groups]
+    dtensors = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    for s in range(2):
+        model(batch(s, rank, B, D)).backward()
+        opt.step()
+        opt.zero_grad()
+    from titan_dmuon import dmuon
+    sd_linear = dmuon.get_model_state_dict(model)
+
+    model_bf, opt_bf = _build(world_size, param_dtype=torch.bfloat16)
+    dtypes = {g.buffer.dtype for g in model_bf._dmuon_state.groups}
+    losses = []
+    for s in range(2):
+        loss = model_bf(batch(s, rank, B, D))
+        loss.backward()
+        opt_bf.step()
+        opt_bf.zero_grad()
+        lt = loss.detach().float()
+        dist.all_reduce(lt)
+        losses.append(lt.item() / world_size)
+    return dict(groups=per_linear, dtensors=dtensors, sd=sd_linear, dtypes=dtypes, bf_losses=losses)
+
+
+@pytest.mark.slow
+def test_hook_boundaries_param_dtype_and_fsdp2_patch():
+    r = run_distributed(_boundaries_dtype_patch, 2)[0]
+    assert r["groups"] == [f"layers.{i}.{n}" for i in range(LAYERS) for n in ("gate_proj", "up_proj", "down_proj")]
+    for name, is_dt in r["dtensors"].items():
+        assert is_dt == (not proj_predicate(name, torch.zeros(2, 2))), name  # FSDP2 skipped exactly ours
+    ref_sd, _, _, _, _, ref_losses = _reference(2, 2)
+    for k, v in ref_sd.items():  # per-Linear hook boundaries change nothing numerically
+        assert_rel_close(r["sd"][k], v, 1e-5, k)
+    assert r["dtypes"] == {torch.bfloat16}
+    # bf16 packed buffers (fp32 masters on the owners) track the fp32 reference to bf16 precision
+    torch.testing.assert_close(torch.tensor(r["bf_losses"]), torch.tensor(ref_losses), rtol=3e-2, atol=0)
+
+
+def _errors(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_dmuon import dmuon
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    msgs = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            msgs[key] = f"{type(e).__name__}: {e}"
+
+    m = TinyMLP(D, FF, 1)
+    catch("non2d", lambda: dmuon.dedicate_params(m, mesh, lambda n, p: "layers" in n))
+    catch("muon_first", lambda: dmuon.Muon(TinyMLP(D, FF, 1)))
+    m2 = TinyMLP(D, FF, 1)
+    fully_shard(m2, mesh=mesh)
+    catch("after_fsdp", lambda: dmuon.dedicate_params(m2, mesh, proj_predicate))
+    m3 = TinyMLP(D, FF, 1)
+    dmuon.dedicate_params(m3, mesh, proj_predicate)
+    catch("twice", lambda: dmuon.dedicate_params(m3, mesh, proj_predicate))
+    mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    catch("mesh2d", lambda: dmuon.dedicate_params(TinyMLP(D, FF, 1), mesh2d, proj_predicate))
+    catch("none", lambda: dmuon.dedicate_params(TinyMLP(D, FF, 1), mesh, lambda n, p: False))
+    return msgs
+
+
+@pytest.mark.slow
+def test_error_messages_name_the_problem():
+    msgs = run_distributed(_errors, 2)[0]
+    assert "ValueError" in msgs["non2d"] and "layers.0.ln.weight" in msgs["non2d"] and "p.ndim == 2" in msgs["non2d"]
+    assert "before dmuon.dedicate_params" in msgs["muon_first"]
+    assert "before fully_shard" in msgs["after_fsdp"]
+    assert "already called" in msgs["twice"]
+    assert "1D mesh" in msgs["mesh2d"] and "replicate_mesh" in msgs["mesh2d"]
+    assert "selected no 2D parameter" in msgs["none"]
