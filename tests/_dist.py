@@ -5,6 +5,7 @@ The target must be a module-level function (importable by the children).
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import socket
@@ -32,6 +33,7 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears down while another still talks to it
         with open(path, "wb") as f:
             pickle.dump(("ok", result), f)
     except BaseException:  # noqa: BLE001 - report any failure to the parent
@@ -43,8 +45,10 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")

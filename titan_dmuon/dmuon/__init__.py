@@ -13,7 +13,7 @@ import contextlib
 import torch.nn as nn
 
 from . import partition
-from .api import dedicate_params, get_owned_params, _require_state
+from .api import _require_state, dedicate_params, dedicate_params_ddp, get_owned_params, replicate
 from .checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -38,15 +38,20 @@ def no_sync(model: nn.Module):
     from torch.distributed.fsdp import FSDPModule
 
     state = _require_state(model, "no_sync")
+    ddp = getattr(model, "_dmuon_replicate", None)
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp:
         m.set_requires_gradient_sync(False, recurse=False)
+    if ddp is not None:
+        ddp.sync_grads = False
     try:
         with state.no_sync():
             yield
     finally:
         for m in fsdp:
             m.set_requires_gradient_sync(True, recurse=False)
+        if ddp is not None:
+            ddp.sync_grads = True
 
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
     "Muon",
     "clip_grad_norm_",
     "dedicate_params",
+    "dedicate_params_ddp",
     "get_model_state_dict",
     "get_ns_backend",
     "get_optimizer_state_dict",
@@ -61,6 +67,7 @@ __all__ = [
     "install_patch",
     "no_sync",
     "partition",
+    "replicate",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "zeropower_via_newtonschulz",

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import replicate as _replicate
+from . import replicate_axis as _replicate
 from .group import DedicatedParamGroup, DMuonState
 from .hooks import resolve_hook_modules
 from .param import DedicatedParam
@@ -109,7 +109,9 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
         dp = DedicatedParam(fqn=name, param=p, owner_shard=slot % G, owner_replicate=slot // G,
                             shard_rank=state.shard_rank, replicate_rank=state.replicate_rank,
                             full_shape=p.shape, _orig_size=p.shape)
-        if dp.in_owner_column:
+        if mode == "ddp" and p.dtype == torch.float32:
+            dp._owned_data = p.data  # DDP keeps the live param: it is the fp32 master itself
+        elif dp.in_owner_column:
             dp._owned_data = p.detach().to(torch.float32, copy=True)
         p._dedicated_owner_rank = dp.owner_rank if R == 1 else (dp.owner_shard, dp.owner_replicate)
         p._dmuon_param = dp
@@ -132,6 +134,63 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}
+
+
+def dedicate_params_ddp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate,
+    *,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+) -> dict[nn.Parameter, int]:
+    """DDP path (seed 004 theorem 1): every rank keeps the live full param; each grad is averaged onto
+    its owner, only the owner runs NS, and after the step the owner broadcasts the updated param.
+
+    Use `replicate(model, mesh)` for the other params. Returns each dedicated param's owner rank in `mesh`.
+    """
+    if _get_state(model) is not None:
+        raise RuntimeError("dedicate_params_ddp: DMuon was already applied to this model: call it once")
+    _check_mesh(mesh, "mesh", None)
+    selected = _select(model, predicate)
+    for name, p in selected:
+        if _is_tp_sharded(p, mesh):
+            raise ValueError(
+                f"dedicate_params_ddp: '{name}' is sharded by tensor parallelism; use "
+                "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate) and dmuon.replicate_tp for TP models"
+            )
+    owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
+                       hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp")
+    return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
+
+
+def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP for every param DMuon does not own: same start on every rank, grads averaged after backward."""
+    from .ddp import replicate_params
+
+    _check_mesh(mesh, "mesh", None)
+    state = _get_state(model)
+    dedicated = state.by_param if state is not None else {}
+    params = [p for p in model.parameters() if p.requires_grad and p not in dedicated]
+    replicate_params(model, params, mesh.get_group())
+    return model
+
+
+def _is_tp_sharded(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
+    """A DTensor sharded on a mesh dim that is not one of the DP mesh's dims is TP-sharded."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    for dim, pl in enumerate(p.placements):
+        if isinstance(pl, Shard) and p.device_mesh.size(dim) > 1:
+            if names is None:
+                raise ValueError("a DTensor param lives on an unnamed mesh: DMuon tells TP dims from DP dims by "
+                                 "name, so build meshes with mesh_dim_names (e.g. ('dp', 'tp'))")
+            if names[dim] not in dp_names:
+                return True
+    return False
 
 
 def get_owned_params(model: nn.Module, rank: Optional[int] = None) -> list[DedicatedParam]:

@@ -74,8 +74,11 @@ def broadcast_coalesced(
     ledger: CommLedger | None,
     kind: str,
 ) -> Work:
-    """Broadcast each (tensor, src global rank) over `group`; one coalesced call. No-op on 1 rank."""
-    size = dist.get_world_size(group)
+    """Broadcast each (tensor, src global rank) over `group`; one coalesced call.
+
+    `group=None` stands for a group of this rank alone (DDP's shard axis): a no-op, like any 1-rank group.
+    """
+    size = dist.get_world_size(group) if group is not None else 1
     if size == 1 or not tensors:
         return Work()
     for t, _ in tensors:
@@ -97,8 +100,9 @@ def reduce_coalesced(
     """Average each (tensor, dst global rank) over `group` onto dst; one coalesced call. No-op on 1 rank.
 
     gloo leaves partial sums in the non-destination buffers: callers must not read them afterwards.
+    `group=None` stands for a group of this rank alone: a no-op.
     """
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(group) if group is not None else 1
     if size == 1 or not tensors:
         return Work()
     for t, _ in tensors:

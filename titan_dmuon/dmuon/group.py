@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import replicate as _replicate
+from . import replicate_axis as _replicate
 from .comm import CommLedger, Work, broadcast_coalesced, reduce_coalesced
 from .param import DedicatedParam
 
@@ -57,11 +57,13 @@ class DedicatedParamGroup:
         # Contiguous (owner_shard -> (start, end)) and (owner_shard, owner_replicate) -> (start, end).
         self.shard_segments = self._segments(lambda d: d.owner_shard)
         self.owner_segments = self._segments(lambda d: (d.owner_shard, d.owner_replicate))
-        self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
-        for dp in self.params:
-            dp.param.data = self.buffer[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
-        _free_storage(self.buffer)
-        self.unsharded = False
+        self.live = state.mode == "ddp"  # DDP: every rank keeps the full live param, no packed buffer
+        self.buffer = torch.empty(0 if self.live else self.numel, dtype=dtype, device=device)
+        if not self.live:
+            for dp in self.params:
+                dp.param.data = self.buffer[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
+            _free_storage(self.buffer)
+        self.unsharded = self.live
         self._unshard_work: Work | None = None
         self.publish_work: Work | None = None  # HSDP post-step publish, consumed by the next unshard
         self._grads_ready = 0
@@ -79,6 +81,9 @@ class DedicatedParamGroup:
     # ---- forward: broadcast from owners -------------------------------------------------------------
     def unshard(self) -> None:
         """Allocate the packed buffer and dispatch one broadcast per owner (async)."""
+        if self.live:
+            self.wait_publish()
+            return
         if self.unsharded:
             return
         self.wait_publish()
@@ -98,16 +103,21 @@ class DedicatedParamGroup:
 
     def reshard(self) -> None:
         """Free the packed buffer (the params become placeholders again)."""
-        if not self.unsharded:
+        if not self.unsharded or self.live:
             return
         self.wait_for_unshard()
         _free_storage(self.buffer)
         self.unsharded = False
 
     def wait_publish(self) -> None:
+        """Consume the post-step publish: after it, the owner column agrees (I4)."""
         if self.publish_work is not None:
             self.publish_work.wait()
             self.publish_work = None
+            if self.live:  # DDP with a low-precision param: refresh it from the fp32 master
+                for dp in self.params:
+                    if dp._owned_data is not dp.param.data:
+                        dp.param.data.copy_(dp._owned_data)
 
     # ---- backward: reduce to owners -----------------------------------------------------------------
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
@@ -200,12 +210,13 @@ class DMuonState:
     def __init__(self, *, shard_mesh, replicate_mesh, reshard_after_forward: bool, mode: str = "fsdp"):
         self.shard_mesh = shard_mesh
         self.replicate_mesh = replicate_mesh
-        self.shard_group = shard_mesh.get_group()
+        # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
+        self.shard_group = shard_mesh.get_group() if shard_mesh is not None else None
         self.replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
-        self.shard_size = dist.get_world_size(self.shard_group)
-        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group else 1
-        self.shard_rank = dist.get_rank(self.shard_group)
-        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group else 0
+        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
+        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
         self.reshard_after_forward = reshard_after_forward
         self.mode = mode
         self.groups: list[DedicatedParamGroup] = []
@@ -225,7 +236,7 @@ class DMuonState:
         return self.coord_to_global[(dp.owner_shard, dp.owner_replicate)]
 
     def shard_global_rank(self, shard: int) -> int:
-        return dist.get_global_rank(self.shard_group, shard)
+        return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()
 
     def replicate_global_rank(self, rep: int) -> int:
         return dist.get_global_rank(self.replicate_group, rep)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw as _adamw_functional
 
-from . import replicate as _replicate
+from . import replicate_axis as _replicate
 from .api import _require_state
 from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
 

@@ -48,7 +48,7 @@ def resolve_coefficients(spec: Coefficients, ns_steps: int) -> list[tuple[float,
     triples = list(spec)
     if len(triples) == 3 and all(isinstance(x, (int, float)) for x in triples):
         return [tuple(float(x) for x in triples)] * ns_steps  # type: ignore[list-item]
-    if not all(len(t) == 3 for t in triples):
+    if not triples or not all(len(t) == 3 for t in triples):
         raise ValueError("ns_coefficients must be a triple (a, b, c) or a list of triples")
     triples = [tuple(float(x) for x in t) for t in triples]
     return triples[:ns_steps] + [triples[-1]] * max(0, ns_steps - len(triples))

@@ -1,0 +1,46 @@
+"""DDP for the params DMuon does not own: one start for all ranks, grads averaged after each backward.
+
+The grads are packed into one flat buffer and all-reduced (AVG) once at the end of backward: one
+coalesced collective per step, which is what DDP's bucketing amounts to for small models.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _GradSync:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = params, group
+        self.sync_grads = True
+        self._queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, _p: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce)
+
+    @torch.no_grad()
+    def _all_reduce(self) -> None:
+        self._queued = False
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not self.sync_grads or not grads or dist.get_world_size(self.group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def replicate_params(model: nn.Module, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    if getattr(model, "_dmuon_replicate", None) is not None:
+        raise RuntimeError("replicate was already called on this model")
+    with torch.no_grad():  # DDP semantics: every replica starts from rank 0's values
+        for p in params:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+    model._dmuon_replicate = _GradSync(params, group)
