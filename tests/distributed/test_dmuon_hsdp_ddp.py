@@ -80,3 +80,32 @@ def test_ddp_parity_and_identical_params(world_size):
             assert led["broadcast"] == led["reduce"] == 0
     for step in range(STEPS):
         assert sum(r["ns_calls"][step] for r in results) == results[0]["n_dedicated"]
+
+
+def _double_step(rank: int, world_size: int, replicate_async: bool):
+    """Two step() calls with no forward between them (async publishes in flight), then train on."""
+    from titan_dmuon import dmuon
+    from tests.dmuon_harness import B, D, build, check_i4
+    from tests.tiny_models import batch
+
+    model, opt, _ = build("hsdp", (2, 2), replicate_async=replicate_async)
+    losses = []
+    for step in range(3):
+        loss = model(batch(step, rank, B, D))
+        loss.backward()
+        opt.step()
+        opt.step()  # the second step drains the first one's publish before touching `_owned_data`
+        opt.zero_grad()
+        losses.append(loss.item())
+    sd = dmuon.get_model_state_dict(model)  # drains the last publish first
+    check_i4(model)
+    return losses, sd
+
+
+@pytest.mark.slow
+def test_hsdp_two_steps_without_forward_drain():
+    asyn = run_distributed(_double_step, 4, True)
+    sync = run_distributed(_double_step, 4, False)
+    for (la, sa), (ls, ss) in zip(asyn, sync):
+        assert la == ls
+        assert all(torch.equal(sa[k], ss[k]) for k in sa)

@@ -13,7 +13,15 @@ import contextlib
 import torch.nn as nn
 
 from . import partition
-from .api import _require_state, dedicate_params, dedicate_params_ddp, get_owned_params, replicate
+from .api import (
+    _require_state,
+    dedicate_params,
+    dedicate_params_ddp,
+    dedicate_params_ddp_tp,
+    get_owned_params,
+    replicate,
+    replicate_tp,
+)
 from .checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -60,6 +68,7 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "dedicate_params_ddp",
+    "dedicate_params_ddp_tp",
     "get_model_state_dict",
     "get_ns_backend",
     "get_optimizer_state_dict",
@@ -68,6 +77,7 @@ __all__ = [
     "no_sync",
     "partition",
     "replicate",
+    "replicate_tp",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "zeropower_via_newtonschulz",

@@ -7,8 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from . import replicate_axis as _replicate
+from . import tp as _tp
 from .group import DedicatedParamGroup, DMuonState
 from .hooks import resolve_hook_modules
 from .param import DedicatedParam
@@ -91,29 +93,37 @@ def dedicate_params(
         raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
     selected = _select(model, predicate)
     return _dedicate(model, selected, mesh, replicate_mesh, reshard_after_forward=reshard_after_forward,
-                     hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype, mode="fsdp")
+                     hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype, mode="fsdp",
+                     tp_buffer_reuse=tp_buffer_reuse)
 
 
 def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, hook_boundary_predicate,
-              param_dtype, mode) -> dict[nn.Parameter, Owner]:
-    state = DMuonState(shard_mesh=mesh, replicate_mesh=replicate_mesh,
-                       reshard_after_forward=reshard_after_forward, mode=mode)
+              param_dtype, mode, tp_buffer_reuse=False) -> dict[nn.Parameter, Owner]:
+    dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
+    layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
+    tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
+    state = DMuonState(shard_mesh=mesh, replicate_mesh=replicate_mesh, reshard_after_forward=reshard_after_forward,
+                       mode=mode, tp_rank=next(iter(tp_ranks), 0), tp_buffer_reuse=tp_buffer_reuse)
     G, R = state.shard_size, state.replicate_size
     hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
-    items = [PartitionItem(n, tuple(p.shape), hook_of[n]) for n, p in selected]
+    items = [PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None) for n, p in selected]
     slots = compute_balanced_assignment(items, G * R)
+    tp_owner = _assign_tp_owners(items, slots, layouts)
 
     by_module: dict[str, list[DedicatedParam]] = {}
     for name, p in selected:
-        slot = slots[name]
+        slot, lay = slots[name], layouts[name]
+        local = p._local_tensor if isinstance(p, DTensor) else p
         dp = DedicatedParam(fqn=name, param=p, owner_shard=slot % G, owner_replicate=slot // G,
                             shard_rank=state.shard_rank, replicate_rank=state.replicate_rank,
-                            full_shape=p.shape, _orig_size=p.shape)
-        if mode == "ddp" and p.dtype == torch.float32:
-            dp._owned_data = p.data  # DDP keeps the live param: it is the fp32 master itself
+                            full_shape=p.shape, _orig_size=local.shape)
+        if lay is not None:
+            dp.shard_dim, dp.tp_group, dp.tp_rank, dp.tp_owner = lay.shard_dim, lay.group, lay.rank, tp_owner[name]
+        if mode == "ddp" and local.dtype == torch.float32:
+            dp._owned_data = local.data  # DDP keeps the live param: it is the fp32 master itself
         elif dp.in_owner_column:
-            dp._owned_data = p.detach().to(torch.float32, copy=True)
-        p._dedicated_owner_rank = dp.owner_rank if R == 1 else (dp.owner_shard, dp.owner_replicate)
+            dp._owned_data = local.detach().to(torch.float32, copy=True)
+        p._dedicated_owner_rank = dp.owner_shard if R == 1 else (dp.owner_shard, dp.owner_replicate)
         p._dmuon_param = dp
         state.dparams.append(dp)
         state.by_param[p] = dp
@@ -122,9 +132,9 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     module_order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     for fqn in sorted(by_module, key=lambda f: module_order[f]):
         dps = by_module[fqn]
-        dtype = param_dtype or dps[0].param.dtype
+        dtype = param_dtype or dps[0].local.dtype
         group = DedicatedParamGroup(state, len(state.groups), fqn, model.get_submodule(fqn), dps,
-                                    dtype, dps[0].param.device)
+                                    dtype, dps[0].local.device)
         group.register_hooks()
         state.groups.append(group)
     model._dmuon_state = state
@@ -134,6 +144,21 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}
+
+
+def _assign_tp_owners(items: list[PartitionItem], slots: dict[str, int],
+                      layouts: dict[str, Optional["_tp.TPLayout"]]) -> dict[str, int]:
+    """TP owner of each TP-sharded param: LPT over the TP ranks inside each DP owner's bucket, so the
+    full-matrix NS work of one DP owner spreads over its TP group."""
+    buckets: dict[int, list[PartitionItem]] = {}
+    for it in items:
+        if layouts[it.name] is not None:
+            buckets.setdefault(slots[it.name], []).append(it)
+    owners: dict[str, int] = {}
+    for slot in sorted(buckets):
+        bucket = buckets[slot]
+        owners.update(compute_balanced_assignment(bucket, layouts[bucket[0].name].size, small_param_threshold=0))
+    return owners
 
 
 def dedicate_params_ddp(
@@ -152,8 +177,9 @@ def dedicate_params_ddp(
         raise RuntimeError("dedicate_params_ddp: DMuon was already applied to this model: call it once")
     _check_mesh(mesh, "mesh", None)
     selected = _select(model, predicate)
+    dp_names = _tp.dp_mesh_names(None, mesh)
     for name, p in selected:
-        if _is_tp_sharded(p, mesh):
+        if _tp.tp_layout(name, p, dp_names) is not None:
             raise ValueError(
                 f"dedicate_params_ddp: '{name}' is sharded by tensor parallelism; use "
                 "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate) and dmuon.replicate_tp for TP models"
@@ -161,6 +187,31 @@ def dedicate_params_ddp(
     owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
                        hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp")
     return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
+
+
+def dedicate_params_ddp_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate,
+    *,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    tp_buffer_reuse: Union[bool, str] = False,
+) -> dict[nn.Parameter, int]:
+    """DDP + TP (seed 002): like `dedicate_params_ddp`, with TP-sharded matrices handled by the TP gather ->
+    full-matrix NS on the TP owner -> scatter path. Call after `parallelize_module`, with the DP slice."""
+    if _get_state(model) is not None:
+        raise RuntimeError("dedicate_params_ddp_tp: DMuon was already applied to this model: call it once")
+    _check_mesh(mesh, "mesh", None)
+    selected = _select(model, predicate)
+    owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
+                       hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp",
+                       tp_buffer_reuse=tp_buffer_reuse)
+    return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
+
+
+def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP + TP for the params DMuon does not own: their TP-local shards replicated along the DP mesh."""
+    return replicate(model, mesh)
 
 
 def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -175,29 +226,12 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _is_tp_sharded(p: torch.Tensor, dp_mesh: DeviceMesh) -> bool:
-    """A DTensor sharded on a mesh dim that is not one of the DP mesh's dims is TP-sharded."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(p, DTensor):
-        return False
-    names = p.device_mesh.mesh_dim_names
-    dp_names = set(dp_mesh.mesh_dim_names or ())
-    for dim, pl in enumerate(p.placements):
-        if isinstance(pl, Shard) and p.device_mesh.size(dim) > 1:
-            if names is None:
-                raise ValueError("a DTensor param lives on an unnamed mesh: DMuon tells TP dims from DP dims by "
-                                 "name, so build meshes with mesh_dim_names (e.g. ('dp', 'tp'))")
-            if names[dim] not in dp_names:
-                return True
-    return False
-
-
 def get_owned_params(model: nn.Module, rank: Optional[int] = None) -> list[DedicatedParam]:
     """The dedicated params whose global owner is `rank` (default: this process's global rank)."""
     state = _require_state(model, "get_owned_params")
     rank = dist.get_rank() if rank is None else rank
-    return [dp for dp in state.dparams if state.owner_global_rank(dp) == rank]
+    shard, rep, tp = state.coords[rank]
+    return [dp for dp in state.dparams if state.owner_global_rank(dp, tp) == rank]
 
 
 def _require_state(model: nn.Module, what: str) -> DMuonState:

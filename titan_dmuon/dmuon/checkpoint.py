@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .api import _require_state
+from . import tp as _tp
 from .param import DedicatedParam
 
 
@@ -22,12 +23,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
-def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None) -> torch.Tensor:
-    """Broadcast a full fp32 tensor that lives on the global owner to every rank."""
-    out = tensor.detach().clone() if tensor is not None and dp.is_owner else torch.empty(
-        dp.full_shape, dtype=torch.float32, device=dp.param.device)
-    dist.broadcast(out, src=state.owner_global_rank(dp))
-    return out
+def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None, *, on_column: bool) -> torch.Tensor:
+    """The full fp32 matrix behind a (TP-local) tensor held by the owner's column (`on_column`) or by the
+    global owner alone, on every rank: replicate-axis broadcast to the column, shard-axis broadcast to
+    each row, TP all-gather. Collectives follow the group order every rank shares."""
+    holder = dp.in_owner_column if on_column else dp.is_owner
+    out = tensor.detach().float().clone() if holder else torch.empty(
+        dp._orig_size, dtype=torch.float32, device=dp.local.device)
+    if not on_column and state.replicate_group is not None and dp.in_owner_column:
+        dist.broadcast(out, src=state.replicate_global_rank(dp.owner_replicate), group=state.replicate_group)
+    if state.shard_group is not None:
+        dist.broadcast(out, src=state.shard_global_rank(dp.owner_shard), group=state.shard_group)
+    return _tp.full_from_shards(out, dp)
 
 
 def _local_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -42,7 +49,7 @@ def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for fqn, t in model.state_dict(keep_vars=True).items():
         dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
-        out[fqn] = _owner_tensor(state, dp, dp._owned_data) if dp is not None else _full(t)
+        out[fqn] = _owner_tensor(state, dp, dp._owned_data, on_column=True) if dp is not None else _full(t)
     return out
 
 
@@ -64,7 +71,9 @@ def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
             dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
             if dp is not None:
                 if dp.in_owner_column:
-                    dp._owned_data.copy_(full)
+                    dp._owned_data.copy_(_tp.shard_of_full(full, dp))
+                if dp.group.live and dp._owned_data.data_ptr() != dp.local.data_ptr():
+                    dp.local.data.copy_(dp._owned_data)
             elif isinstance(t, DTensor):
                 t.to_local().copy_(_local_like(full, t).to_local())
             else:
@@ -75,6 +84,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     state = _require_state(model, "get_optimizer_state_dict")
     state.drain_publish()
     names = {p: n for n, p in model.named_parameters()}
+    # which dedicated params have a momentum buffer yet (it lives on the owners only): one all-reduce
+    has = torch.tensor([int(dp.is_owner and "momentum_buffer" in optimizer.state.get(dp.param, {}))
+                        for dp in state.dparams], dtype=torch.int64)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    has_momentum = {dp.param for dp, h in zip(state.dparams, has.tolist()) if h}
     out_state: dict[str, dict[str, Any]] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -84,11 +98,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
             fqns.append(fqn)
             dp = state.by_param.get(p)
             if dp is not None:
-                has = torch.tensor([1 if "momentum_buffer" in optimizer.state.get(p, {}) else 0])
-                dist.broadcast(has, src=state.owner_global_rank(dp))
-                if has.item():
+                if p in has_momentum:
                     buf = optimizer.state[p]["momentum_buffer"] if dp.is_owner else None
-                    out_state[fqn] = {"momentum_buffer": _owner_tensor(state, dp, buf)}
+                    out_state[fqn] = {"momentum_buffer": _owner_tensor(state, dp, buf, on_column=False)}
             elif optimizer.state.get(p):
                 out_state[fqn] = {k: _full(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else
                                   (v.clone() if isinstance(v, torch.Tensor) else v)
@@ -115,8 +127,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
         dp = state.by_param.get(p)
         if dp is not None:
             if dp.is_owner:
-                optimizer.state[p] = {"momentum_buffer": entry["momentum_buffer"].to(
-                    torch.float32, copy=True).to(dp.param.device)}
+                full = entry["momentum_buffer"].to(device=dp.local.device, dtype=torch.float32)
+                optimizer.state[p] = {"momentum_buffer": _tp.shard_of_full(full, dp).clone()}
             continue
         optimizer.state[p] = {k: (_local_like(v, p) if isinstance(v, torch.Tensor) and v.ndim > 0 else
                                   (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in entry.items()}

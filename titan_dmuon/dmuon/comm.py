@@ -55,6 +55,9 @@ class Work:
         for w in works:
             w.wait()
 
+    def merge(self, other: "Work") -> "Work":
+        return Work(self._works + other._works)
+
     def is_pending(self) -> bool:
         return bool(self._works)
 

@@ -61,11 +61,12 @@ class DedicatedParamGroup:
         self.buffer = torch.empty(0 if self.live else self.numel, dtype=dtype, device=device)
         if not self.live:
             for dp in self.params:
-                dp.param.data = self.buffer[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
+                dp.local.data = self.buffer[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
             _free_storage(self.buffer)
         self.unsharded = self.live
         self._unshard_work: Work | None = None
         self.publish_work: Work | None = None  # HSDP post-step publish, consumed by the next unshard
+        self.deferred_step: Any = None  # async TP: scatter wait + update + publish, run at the next unshard
         self._grads_ready = 0
         self._reduced = False
         self._handles: list[Any] = []
@@ -111,13 +112,16 @@ class DedicatedParamGroup:
 
     def wait_publish(self) -> None:
         """Consume the post-step publish: after it, the owner column agrees (I4)."""
+        if self.deferred_step is not None:
+            finish, self.deferred_step = self.deferred_step, None
+            finish()
         if self.publish_work is not None:
             self.publish_work.wait()
             self.publish_work = None
             if self.live:  # DDP with a low-precision param: refresh it from the fp32 master
                 for dp in self.params:
-                    if dp._owned_data is not dp.param.data:
-                        dp.param.data.copy_(dp._owned_data)
+                    if dp._owned_data.data_ptr() != dp.local.data_ptr():
+                        dp.local.data.copy_(dp._owned_data)
 
     # ---- backward: reduce to owners -----------------------------------------------------------------
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
@@ -135,10 +139,11 @@ class DedicatedParamGroup:
             gbuf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             for dp in self.params:
                 dst = gbuf[dp.offset: dp.offset + dp.numel]
-                if dp.param.grad is None:
+                grad = dp.local_grad
+                if grad is None:
                     dst.zero_()
                 else:
-                    dst.copy_(dp.param.grad.view(-1))
+                    dst.copy_(grad.reshape(-1))
                     dp.param.grad = None
             ops = [(gbuf[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
             work = reduce_coalesced(ops, st.shard_group, st.ledger, "reduce")
@@ -207,7 +212,8 @@ def _register_pre_backward(group: DedicatedParamGroup, output: Any) -> Any:
 class DMuonState:
     """Per-model DMuon state: meshes, groups in forward order, the reduce pipeline, the ledger."""
 
-    def __init__(self, *, shard_mesh, replicate_mesh, reshard_after_forward: bool, mode: str = "fsdp"):
+    def __init__(self, *, shard_mesh, replicate_mesh, reshard_after_forward: bool, mode: str = "fsdp",
+                 tp_rank: int = 0, tp_buffer_reuse=False):
         self.shard_mesh = shard_mesh
         self.replicate_mesh = replicate_mesh
         # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
@@ -219,6 +225,10 @@ class DMuonState:
         self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
         self.reshard_after_forward = reshard_after_forward
         self.mode = mode
+        self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
+        kinds = {False: (), True: ("gather", "scatter"), "all": ("gather", "scatter"),
+                 "gather": ("gather",), "scatter": ("scatter",)}[tp_buffer_reuse]
+        self.tp_buffers = {"kinds": kinds, "store": {}} if kinds else None
         self.groups: list[DedicatedParamGroup] = []
         self.dparams: list[DedicatedParam] = []
         self.by_param: dict[nn.Parameter, DedicatedParam] = {}
@@ -229,11 +239,14 @@ class DMuonState:
         self._callback_queued = False
         # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
         coords: list = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank))
-        self.coord_to_global = {c: r for r, c in enumerate(coords) if c is not None}
+        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
+        self.coords = coords
+        self.coord_to_global = {c: r for r, c in enumerate(coords)}
 
-    def owner_global_rank(self, dp: DedicatedParam) -> int:
-        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate)]
+    def owner_global_rank(self, dp: DedicatedParam, tp_rank: int | None = None) -> int:
+        """Global rank of a param's DP owner in the DP slice of TP rank `tp_rank` (default: this rank's)."""
+        tp = self.tp_rank if tp_rank is None else tp_rank
+        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate, tp)]
 
     def shard_global_rank(self, shard: int) -> int:
         return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()

@@ -6,6 +6,7 @@ by the full matrix shape). The AdamW half is `torch.optim.AdamW`'s own functiona
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -15,6 +16,7 @@ import torch.nn as nn
 from torch.optim.adamw import adamw as _adamw_functional
 
 from . import replicate_axis as _replicate
+from . import tp as _tp
 from .api import _require_state
 from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
 
@@ -124,14 +126,38 @@ class Muon(torch.optim.Optimizer):
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         opts_of = {p: g for g in muon_groups for p in g["params"]}
         for pgroup in st.groups:
+            tp_jobs = []
             for dp in pgroup.params:
                 if not dp.is_owner or dp._reduced_grad is None:
                     continue
-                t0 = time.perf_counter()
-                self._muon_update(dp, opts_of[dp.param])
-                ns_time += time.perf_counter() - t0
-                ns_calls += 1
-            pgroup.publish_work = _replicate.publish(pgroup)
+                opts = opts_of[dp.param]
+                update = self._momentum(dp, opts)
+                if dp.tp_group is None:
+                    t0 = time.perf_counter()
+                    _apply_update(dp, self._orthogonalize(update, opts), opts)
+                    ns_time += time.perf_counter() - t0
+                    ns_calls += 1
+                else:  # gather the update shards onto the TP owner (async, all of the group's at once)
+                    tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), opts))
+            for job, opts in tp_jobs:
+                full = job.full_update()
+                ortho = None
+                if full is not None:
+                    t0 = time.perf_counter()
+                    ortho = self._orthogonalize(full, opts)
+                    ns_time += time.perf_counter() - t0
+                    ns_calls += 1
+                job.scatter(ortho, like=job.dp._owned_data)
+            pgroup.publish_work = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])
+            # TP params wait for their scatter before the update, then publish: every rank of the owner's
+            # column (owner or peer) runs this at the same point, at once (sync) or in the next unshard.
+            tp_column = [dp for dp in pgroup.params if dp.tp_group is not None and dp.in_owner_column]
+            if tp_jobs or tp_column:
+                finish = functools.partial(_finish_tp, pgroup, tp_jobs, tp_column)
+                if self.replicate_async:
+                    pgroup.deferred_step = finish
+                else:
+                    finish()
         if not self.replicate_async:
             st.drain_publish()
         st.ledger.end_step()
@@ -140,7 +166,8 @@ class Muon(torch.optim.Optimizer):
                                 **{f"bytes_{k}": v for k, v in st.ledger.last_step_bytes.items()}}
         return loss
 
-    def _muon_update(self, dp, opts: dict) -> None:
+    def _momentum(self, dp, opts: dict) -> torch.Tensor:
+        """EMA momentum (+ Nesterov) on this rank's (TP-local) grad: elementwise, so shards suffice."""
         grad = dp._reduced_grad
         state = self.state[dp.param]
         buf = state.get("momentum_buffer")
@@ -148,13 +175,11 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"] = torch.zeros_like(grad)
         mu = opts["momentum"]
         buf.lerp_(grad, 1 - mu)
-        update = grad.lerp(buf, mu) if opts["nesterov"] else buf
-        ortho = zeropower_via_newtonschulz(
-            update, ns_steps=opts["ns_steps"], coefficients=opts["ns_coefficients"], eps=opts["eps"],
-            dtype=self.ns_dtype or default_ns_dtype(grad.device))
-        data = dp._owned_data
-        data.mul_(1 - opts["lr"] * opts["weight_decay"])
-        data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
+        return grad.lerp(buf, mu) if opts["nesterov"] else buf
+
+    def _orthogonalize(self, update: torch.Tensor, opts: dict) -> torch.Tensor:
+        return zeropower_via_newtonschulz(update, ns_steps=opts["ns_steps"], coefficients=opts["ns_coefficients"],
+                                          eps=opts["eps"], dtype=self.ns_dtype or default_ns_dtype(update.device))
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -177,3 +202,18 @@ class Muon(torch.optim.Optimizer):
         _adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False,
                           beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                           eps=group["eps"], maximize=False)
+
+
+def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
+    """Decoupled weight decay, then the lr-scaled orthogonal step (lr scaled by the full logical shape)."""
+    data = dp._owned_data
+    data.mul_(1 - opts["lr"] * opts["weight_decay"])
+    data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
+
+
+def _finish_tp(pgroup, tp_jobs, tp_column) -> None:
+    """Wait for the TP scatters, apply the shards' updates, then publish them over the replicate axis."""
+    for job, opts in tp_jobs:
+        _apply_update(job.dp, job.wait(), opts)
+    work = _replicate.publish(pgroup, tp_column)
+    pgroup.publish_work = work if pgroup.publish_work is None else pgroup.publish_work.merge(work)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from .group import DedicatedParamGroup
@@ -32,15 +33,31 @@ class DedicatedParam:
     offset: int = 0  # into the group's packed buffer
     _owned_data: Optional[torch.Tensor] = None
     _reduced_grad: Optional[torch.Tensor] = None
-    # Tensor parallelism (None / trivial when the param is not TP-sharded).
+    # Tensor parallelism (None / 0 when the param is not TP-sharded).
     shard_dim: Optional[int] = None
     tp_group: Optional[dist.ProcessGroup] = None
-    is_tp_owner: bool = True
-    _orig_size: torch.Size = field(default_factory=lambda: torch.Size())
+    tp_rank: int = 0
+    tp_owner: int = 0  # TP rank that runs this matrix's full NS
+    _orig_size: torch.Size = field(default_factory=lambda: torch.Size())  # local (TP shard) shape
 
     @property
     def param_name(self) -> str:
         return self.fqn
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The plain tensor behind the param: its DTensor's local shard, or the param itself."""
+        return self.param._local_tensor if isinstance(self.param, DTensor) else self.param
+
+    @property
+    def local_grad(self) -> Optional[torch.Tensor]:
+        g = self.param.grad
+        return g._local_tensor if isinstance(g, DTensor) else g
+
+    @property
+    def is_tp_owner(self) -> bool:
+        """True on the one TP rank that runs NS for this matrix (always True without TP)."""
+        return self.tp_group is None or self.tp_rank == self.tp_owner
 
     @property
     def numel(self) -> int:

@@ -20,6 +20,7 @@ class PartitionItem:
     name: str
     shape: tuple[int, ...]
     layer: str  # params of the same layer are spread over owners; small ones are merged per layer
+    mergeable: bool = True  # TP-sharded params are never merged (each has its own gather/scatter)
 
 
 def ns_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
@@ -59,7 +60,7 @@ def compute_balanced_assignment(
     units: list[tuple[float, str, str, list[str]]] = []  # (cost, key, layer, members)
     merged: dict[str, list[PartitionItem]] = {}
     for it in items:
-        if _numel(it.shape) < threshold:
+        if it.mergeable and _numel(it.shape) < threshold:
             merged.setdefault(it.layer, []).append(it)
         else:
             units.append((ns_cost(it.shape, ns_steps), it.name, it.layer, [it.name]))

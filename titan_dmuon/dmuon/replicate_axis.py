@@ -6,7 +6,7 @@ updated `_owned_data` to its column peers (I4) so every row's next shard broadca
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from .comm import Work, broadcast_coalesced, reduce_coalesced
 
 if TYPE_CHECKING:
     from .group import DedicatedParamGroup
+    from .param import DedicatedParam
 
 
 def reduce_replicate(group: "DedicatedParamGroup", gbuf: torch.Tensor) -> Work:
@@ -26,11 +27,12 @@ def reduce_replicate(group: "DedicatedParamGroup", gbuf: torch.Tensor) -> Work:
     return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
 
 
-def publish(group: "DedicatedParamGroup") -> Work:
-    """Broadcast the updated `_owned_data` of this column's params from their global owners (async)."""
+def publish(group: "DedicatedParamGroup", params: Optional[Sequence["DedicatedParam"]] = None) -> Work:
+    """Broadcast the updated `_owned_data` of this column's params (default: all of the group's) from
+    their global owners (async)."""
     st = group.state
     if st.replicate_group is None:
         return Work()
     ops = [(dp._owned_data, st.replicate_global_rank(dp.owner_replicate))
-           for dp in group.params if dp.in_owner_column]
+           for dp in (group.params if params is None else params) if dp.in_owner_column]
     return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")

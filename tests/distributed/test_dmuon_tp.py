@@ -1,0 +1,145 @@
+"""DMuon with tensor parallelism on real gloo ranks (seed 002): dp × tp, replicate × shard × tp and
+DDP + TP match single-process torch.optim.Muon + AdamW; TP size 1 is bitwise the plain 1D run."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_distributed
+from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimizers
+from tests.tiny_models import TinyLlama, apply_llama_tp, proj_predicate, seq_batch
+
+D, FF, HEADS, LAYERS, B, T, STEPS = 32, 64, 4, 2, 2, 8, 6
+HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
+          adamw_eps=1e-8, adamw_weight_decay=0.01)
+
+
+def _reference(dp_size: int):
+    torch.manual_seed(0)
+    model = TinyLlama(D, FF, HEADS, LAYERS)
+    muon, adamw = reference_optimizers(model, proj_predicate, **HP)
+    losses = []
+    with fp32_torch_muon():
+        for step in range(STEPS):
+            loss = model(torch.cat([seq_batch(step, r, B, T, D) for r in range(dp_size)]))
+            loss.backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], replicate_async: bool = True,
+           tp_buffer_reuse=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_dmuon import dmuon
+
+    torch.manual_seed(0)
+    model = TinyLlama(D, FF, HEADS, LAYERS)
+    if layout == "plain":  # 1D DMuon, no TP at all
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp",))
+        dmuon.dedicate_params(model, mesh, proj_predicate)
+        fsdp_mesh, dp_mesh = mesh, mesh
+    elif layout == "dp_tp":
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        apply_llama_tp(model, mesh["tp"])
+        dmuon.dedicate_params(model, mesh["dp"], proj_predicate, tp_buffer_reuse=tp_buffer_reuse)
+        fsdp_mesh = dp_mesh = mesh["dp"]
+    elif layout == "3d":
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        apply_llama_tp(model, mesh["tp"])
+        dmuon.dedicate_params(model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"])
+        fsdp_mesh = dp_mesh = mesh["replicate", "shard"]
+    elif layout == "ddp_tp":
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        apply_llama_tp(model, mesh["tp"])
+        dmuon.dedicate_params_ddp_tp(model, mesh["dp"], proj_predicate)
+        dmuon.replicate_tp(model, mesh["dp"])
+        fsdp_mesh, dp_mesh = None, mesh["dp"]
+    else:
+        raise ValueError(layout)
+    if fsdp_mesh is not None:
+        for layer in model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
+                     ns_coefficients="muon", adjust_lr_fn="original", adamw_lr=HP["adamw_lr"],
+                     adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
+                     adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async)
+    dp_rank = dp_mesh.get_coordinate()
+    dp_rank = dp_rank[0] if len(dp_rank) == 1 else dp_rank[0] * dp_mesh.size(1) + dp_rank[1]
+    st = model._dmuon_state
+    losses, ns_calls = [], []
+    for step in range(STEPS):
+        loss = model(seq_batch(step, dp_rank, B, T, D))
+        loss.backward()
+        for dp in st.dparams:  # I3 per TP coordinate: the DP owner of each shard holds its grad
+            assert (dp._reduced_grad is not None) == dp.is_owner, dp.fqn
+        opt.step()
+        opt.zero_grad()
+        ns_calls.append(opt.last_step_stats["ns_calls"])
+        lt = loss.detach().clone()
+        dist.all_reduce(lt)
+        losses.append(lt.item() / world_size)
+    owned = [dict(name=dp.param_name, local=tuple(dp._orig_size), full=tuple(dp.full_shape), shard_dim=dp.shard_dim,
+                  is_tp_owner=dp.is_tp_owner, tp_group_size=dp.tp_group.size() if dp.tp_group else 1)
+             for dp in dmuon.get_owned_params(model, rank=dist.get_rank())]
+    return dict(losses=losses, ns_calls=ns_calls, sd=dmuon.get_model_state_dict(model),
+                osd=dmuon.get_optimizer_state_dict(model, opt), owned=owned, tp_rank=st.tp_rank,
+                n_dedicated=len(st.dparams), ledger=dict(st.ledger.last_step))
+
+
+def _check_parity(results, dp_size):
+    ref_losses, ref_sd = _reference(dp_size)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        for k, v in ref_sd.items():  # full (unsharded across TP) tensors from the getters
+            assert r["sd"][k].shape == v.shape, k
+            assert_rel_close(r["sd"][k], v, 1e-5, k)
+    for step in range(STEPS):  # one NS per matrix per step across all ranks
+        assert sum(r["ns_calls"][step] for r in results) == results[0]["n_dedicated"]
+
+
+@pytest.mark.slow
+def test_dp2_tp2_parity_async_equals_sync_and_tp_owners_spread():
+    asyn = run_distributed(_train, 4, "dp_tp", (2, 2), replicate_async=True, tp_buffer_reuse="all")
+    sync = run_distributed(_train, 4, "dp_tp", (2, 2), replicate_async=False)
+    _check_parity(asyn, 2)
+    for a, s in zip(asyn, sync):
+        assert a["losses"] == s["losses"]
+        assert all(torch.equal(a["sd"][k], s["sd"][k]) for k in a["sd"])
+        for fqn, st in a["osd"]["state"].items():
+            for name, t in st.items():
+                assert torch.equal(torch.as_tensor(t), torch.as_tensor(s["osd"]["state"][fqn][name])), (fqn, name)
+    tp_owner_ranks = {r["tp_rank"] for r in asyn for o in r["owned"] if o["is_tp_owner"]}
+    assert len(tp_owner_ranks) >= 2  # NS work spread over the TP ranks
+    for r in asyn:
+        for o in r["owned"]:
+            assert o["tp_group_size"] == 2 and o["shard_dim"] in (0, 1)
+            assert o["full"][o["shard_dim"]] == 2 * o["local"][o["shard_dim"]]
+        assert r["ledger"]["tp_gather"] > 0 or not any(o["is_tp_owner"] for o in r["owned"])
+
+
+@pytest.mark.slow
+def test_replicate2_shard2_tp2_parity():
+    _check_parity(run_distributed(_train, 8, "3d", (2, 2, 2)), 4)
+
+
+@pytest.mark.slow
+def test_ddp_tp_parity():
+    results = run_distributed(_train, 4, "ddp_tp", (2, 2))
+    _check_parity(results, 2)
+
+
+@pytest.mark.slow
+def test_tp_size_1_is_bitwise_the_plain_run():
+    tp1 = run_distributed(_train, 4, "dp_tp", (4, 1))
+    plain = run_distributed(_train, 4, "plain", (4,))
+    for a, b in zip(tp1, plain):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"])

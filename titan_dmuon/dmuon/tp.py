@@ -1,0 +1,128 @@
+"""Tensor parallelism inside DMuon (seed 002): TP-axis detection, TP owners, gather -> NS -> scatter.
+
+A dedicated param that is a DTensor sharded on a mesh dim whose name is not among the DP mesh's names is
+TP-sharded. Its DP ownership works on the local shards exactly as without TP; at step time the DP-owner
+ranks of its TP group gather the (momentum-applied) update shards onto the param's TP owner, which runs
+the same full-matrix Newton-Schulz as every other path and scatters the orthogonalized shards back.
+Momentum, weight decay and the update stay elementwise on the shards (lr scaled by the full shape).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .comm import CommLedger, Work
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    shard_dim: int
+
+
+def dp_mesh_names(shard_mesh: Optional[DeviceMesh], replicate_mesh: Optional[DeviceMesh]) -> set[str]:
+    names: set[str] = set()
+    for m in (shard_mesh, replicate_mesh):
+        if m is not None and m.mesh_dim_names:
+            names.update(m.mesh_dim_names)
+    return names
+
+
+def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> Optional[TPLayout]:
+    """The TP layout of a dedicated param, or None when it is not TP-sharded (TP size 1 included)."""
+    if not isinstance(p, DTensor):
+        return None
+    mesh = p.device_mesh
+    found = []
+    for dim, pl in enumerate(p.placements):
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"'{name}' is a DTensor on an unnamed mesh: DMuon tells TP dims from DP dims by name, so build "
+                "meshes with mesh_dim_names (e.g. init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp')))"
+            )
+        if mesh.mesh_dim_names[dim] in dp_names:
+            continue
+        if isinstance(pl, Shard) and mesh.size(dim) > 1:
+            found.append((dim, pl.dim))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ValueError(f"'{name}' is sharded on {len(found)} TP mesh dims: DMuon supports one TP axis")
+    mesh_dim, shard_dim = found[0]
+    size = mesh.size(mesh_dim)
+    if p.shape[shard_dim] % size:
+        raise ValueError(f"'{name}' has {p.shape[shard_dim]} entries on its TP-sharded dim {shard_dim}, not "
+                         f"divisible by the TP size {size}: DMuon needs even TP shards")
+    return TPLayout(mesh.get_group(mesh_dim), size, mesh.get_local_rank(mesh_dim), shard_dim)
+
+
+class TPUpdate:
+    """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group."""
+
+    def __init__(self, dp, update_local: torch.Tensor, ledger: CommLedger, buffers: Optional[dict]):
+        self.dp = dp
+        self.buffers = buffers  # reused scratch when tp_buffer_reuse asks for it
+        size = dp.tp_group.size()
+        self.owner_global = dist.get_global_rank(dp.tp_group, dp.tp_owner)
+        self.full_numel = update_local.numel() * size
+        src = update_local.contiguous()
+        self.gathered = [self._scratch("gather", i, src) for i in range(size)] if dp.is_tp_owner else None
+        ledger.record("tp_gather", self.full_numel, size, src.element_size())
+        self._work = Work([dist.gather(src, gather_list=self.gathered, dst=self.owner_global,
+                                       group=dp.tp_group, async_op=True)])
+        self._ledger = ledger
+        self.out_local: Optional[torch.Tensor] = None
+
+    def _scratch(self, kind: str, i: int, like: torch.Tensor) -> torch.Tensor:
+        if self.buffers is None or kind not in self.buffers["kinds"]:
+            return torch.empty_like(like)
+        key = (self.dp.fqn, kind, i)
+        buf = self.buffers["store"].get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self.buffers["store"][key] = torch.empty_like(like)
+        return buf
+
+    def full_update(self) -> Optional[torch.Tensor]:
+        """Wait for the gather; on the TP owner return the full (m, n) update matrix."""
+        self._work.wait()
+        if not self.dp.is_tp_owner:
+            return None
+        return torch.cat(self.gathered, dim=self.dp.shard_dim)
+
+    def scatter(self, ortho_full: Optional[torch.Tensor], like: torch.Tensor) -> None:
+        """Send each TP rank its shard of the orthogonalized update (async)."""
+        dp = self.dp
+        self.out_local = self._scratch("scatter", -1, like)
+        chunks = None
+        if dp.is_tp_owner:
+            chunks = [c.contiguous() for c in ortho_full.to(like.dtype).chunk(dp.tp_group.size(), dim=dp.shard_dim)]
+        self._ledger.record("tp_scatter", self.full_numel, dp.tp_group.size(), like.element_size())
+        self._work = Work([dist.scatter(self.out_local, scatter_list=chunks, src=self.owner_global,
+                                        group=dp.tp_group, async_op=True)])
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self.out_local
+
+
+def full_from_shards(local: torch.Tensor, dp) -> torch.Tensor:
+    """All-gather a param's TP shards into the full logical matrix (identity when not TP-sharded)."""
+    if dp.tp_group is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dp.tp_group.size())]
+    dist.all_gather(parts, local.contiguous(), group=dp.tp_group)
+    return torch.cat(parts, dim=dp.shard_dim)
+
+
+def shard_of_full(full: torch.Tensor, dp) -> torch.Tensor:
+    """This TP rank's shard of a full logical matrix."""
+    if dp.tp_group is None:
+        return full
+    return full.chunk(dp.tp_group.size(), dim=dp.shard_dim)[dp.tp_rank]
