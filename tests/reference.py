@@ -17,9 +17,18 @@ def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
                                       dtype=torch.float32)
 
 
+def _ns_fp32_gram_rectangular(grad, ns_coefficients, ns_steps, eps):
+    formulation = "gram" if grad.size(0) != grad.size(1) else "direct"
+    return zeropower_via_newtonschulz(grad, ns_steps=ns_steps, coefficients=ns_coefficients, eps=eps,
+                                      dtype=torch.float32, formulation=formulation)
+
+
 @contextlib.contextmanager
-def fp32_torch_muon():
-    with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", _ns_fp32):
+def fp32_torch_muon(gram_for_rectangular: bool = False):
+    """torch.optim.Muon with its NS in fp32 (optionally the Gram formulation for non-square matrices,
+    which is what DMuon's TP distributed Gram computes)."""
+    fn = _ns_fp32_gram_rectangular if gram_for_rectangular else _ns_fp32
+    with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", fn):
         yield
 
 

@@ -15,12 +15,12 @@ HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(
           adamw_eps=1e-8, adamw_weight_decay=0.01)
 
 
-def _reference(dp_size: int):
+def _reference(dp_size: int, gram_for_rectangular: bool = False):
     torch.manual_seed(0)
     model = TinyLlama(D, FF, HEADS, LAYERS)
     muon, adamw = reference_optimizers(model, proj_predicate, **HP)
     losses = []
-    with fp32_torch_muon():
+    with fp32_torch_muon(gram_for_rectangular):
         for step in range(STEPS):
             loss = model(torch.cat([seq_batch(step, r, B, T, D) for r in range(dp_size)]))
             loss.backward()
@@ -33,7 +33,7 @@ def _reference(dp_size: int):
 
 
 def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], replicate_async: bool = True,
-           tp_buffer_reuse=False):
+           tp_buffer_reuse=False, tp_distributed_gram: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -70,7 +70,8 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
     opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
                      ns_coefficients="muon", adjust_lr_fn="original", adamw_lr=HP["adamw_lr"],
                      adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async)
+                     adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async,
+                     tp_distributed_gram=tp_distributed_gram)
     dp_rank = dp_mesh.get_coordinate()
     dp_rank = dp_rank[0] if len(dp_rank) == 1 else dp_rank[0] * dp_mesh.size(1) + dp_rank[1]
     st = model._dmuon_state
@@ -91,11 +92,12 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
              for dp in dmuon.get_owned_params(model, rank=dist.get_rank())]
     return dict(losses=losses, ns_calls=ns_calls, sd=dmuon.get_model_state_dict(model),
                 osd=dmuon.get_optimizer_state_dict(model, opt), owned=owned, tp_rank=st.tp_rank,
-                n_dedicated=len(st.dparams), ledger=dict(st.ledger.last_step))
+                n_dedicated=len(st.dparams), ledger=dict(st.ledger.last_step),
+                p_tp=sum(dp.numel * dp.tp_group.size() for dp in st.dparams if dp.tp_group is not None))
 
 
-def _check_parity(results, dp_size):
-    ref_losses, ref_sd = _reference(dp_size)
+def _check_parity(results, dp_size, gram_for_rectangular: bool = False):
+    ref_losses, ref_sd = _reference(dp_size, gram_for_rectangular)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for k, v in ref_sd.items():  # full (unsharded across TP) tensors from the getters
@@ -143,3 +145,16 @@ def test_tp_size_1_is_bitwise_the_plain_run():
     for a, b in zip(tp1, plain):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"])
+
+
+@pytest.mark.slow
+def test_tp_distributed_gram_matches_gram_reference_and_skips_gather():
+    """tp_distributed_gram: non-square TP matrices sharded on their long side (gate/up/down) all-reduce an
+    s×s Gram instead of gathering/scattering the m×n update; square ones keep gather -> NS -> scatter."""
+    results = run_distributed(_train, 4, "dp_tp", (2, 2), tp_distributed_gram=True)
+    _check_parity(results, 2, gram_for_rectangular=True)
+    s = D  # short side of gate/up/down: Gram all-reduce of s×s per matrix on each DP-owner TP rank
+    for r in results:
+        grams = r["ledger"]["tp_gram"]
+        assert grams == 0 or grams % (s * s) == 0
+    assert sum(r["ledger"]["tp_gram"] for r in results) == pytest.approx(3 * LAYERS * 2 * s * s * 1.0)

@@ -6,7 +6,14 @@ from titan_dmuon.dmuon.comm import KINDS, CommLedger, Work
 
 
 def test_kinds():
-    assert KINDS == ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter")
+    assert KINDS == ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter",
+                     "tp_gram")
+
+
+def test_all_reduce_counts_twice_the_share():
+    led = CommLedger()
+    led.record("tp_gram", 64, 4, 4, factor=2)  # ring all-reduce: 2(N-1)/N·P
+    assert led.current["tp_gram"] == 96.0 and led.current_bytes["tp_gram"] == 384.0
 
 
 def test_record_share_elements_and_bytes():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 # Ledger kinds, in reporting order.
-KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter")
+KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter", "tp_gram")
 
 
 @dataclass
@@ -28,10 +28,11 @@ class CommLedger:
     last_step_bytes: dict[str, float] = field(default_factory=dict)
     ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, kind: str, numel: int, group_size: int, element_size: int) -> None:
+    def record(self, kind: str, numel: int, group_size: int, element_size: int, factor: int = 1) -> None:
+        """`factor=2` for an all-reduce (a ring moves 2(N-1)/N·P per rank)."""
         if kind not in KINDS:
             raise ValueError(f"unknown ledger kind {kind!r}")
-        share = (group_size - 1) / group_size * numel
+        share = factor * (group_size - 1) / group_size * numel
         self.current[kind] += share
         self.current_bytes[kind] += share * element_size
         self.ops[kind] += 1

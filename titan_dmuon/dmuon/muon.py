@@ -137,6 +137,11 @@ class Muon(torch.optim.Optimizer):
                     _apply_update(dp, self._orthogonalize(update, opts), opts)
                     ns_time += time.perf_counter() - t0
                     ns_calls += 1
+                elif self.tp_distributed_gram and _tp.gram_is_beneficial(dp):
+                    t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
+                    _apply_update(dp, self._orthogonalize(update, opts, dp), opts)
+                    ns_time += time.perf_counter() - t0
+                    ns_calls += int(dp.is_tp_owner)
                 else:  # gather the update shards onto the TP owner (async, all of the group's at once)
                     tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), opts))
             for job, opts in tp_jobs:
@@ -177,9 +182,15 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         return grad.lerp(buf, mu) if opts["nesterov"] else buf
 
-    def _orthogonalize(self, update: torch.Tensor, opts: dict) -> torch.Tensor:
+    def _orthogonalize(self, update: torch.Tensor, opts: dict, tp_gram_of=None) -> torch.Tensor:
+        """NS of a full matrix, or (TP distributed Gram) of this rank's block of `tp_gram_of`'s matrix."""
+        extra = {}
+        if tp_gram_of is not None:
+            extra = dict(formulation="gram", full_shape=tp_gram_of.full_shape,
+                         reduce_gram=functools.partial(_tp.all_reduce_gram, tp_gram_of, self._state.ledger))
         return zeropower_via_newtonschulz(update, ns_steps=opts["ns_steps"], coefficients=opts["ns_coefficients"],
-                                          eps=opts["eps"], dtype=self.ns_dtype or default_ns_dtype(update.device))
+                                          eps=opts["eps"], dtype=self.ns_dtype or default_ns_dtype(update.device),
+                                          **extra)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -5,7 +5,7 @@ only `zeropower_via_newtonschulz` and the formulation/backend is a parameter, ne
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -71,30 +71,47 @@ def zeropower_via_newtonschulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     formulation: str = "direct",
+    full_shape: Optional[Sequence[int]] = None,
+    reduce_gram: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Approximate the orthogonal polar factor U Vᵀ of a 2D matrix with `ns_steps` quintic iterations.
 
     X ← a·X + b·(X Xᵀ) X + c·(X Xᵀ)² X, on the short side (X is transposed when tall), after scaling X
     to Frobenius norm ≤ 1. `formulation="gram"` iterates on the s×s Gram matrix instead (s the short side):
-    A ← Q² A and P ← Q P with Q = aI + bA + cA², then returns P X₀: the same polynomial, s³ per step
+    A ← Q A Q and P ← Q P with Q = aI + bA + cA², then returns P X₀: the same polynomial, s³ per step
     instead of s²·l, which wins for very rectangular matrices. Returns a tensor of `dtype`.
+
+    Distributed Gram (TP): `grad` is one block of a matrix of `full_shape` split along its long side;
+    `reduce_gram` sums the blocks' partial Gram matrices over the TP group (one s×s all-reduce), the
+    norm comes from its trace, and each rank returns its own block of the result.
     """
     if grad.ndim != 2:
         raise ValueError(f"Newton-Schulz needs a 2D matrix, got shape {tuple(grad.shape)}")
     triples = resolve_coefficients(coefficients, ns_steps)
     dtype = dtype or default_ns_dtype(grad.device)
+    shape = tuple(full_shape) if full_shape is not None else tuple(grad.shape)
     x = grad.to(dtype)
-    transposed = grad.size(0) > grad.size(1)
+    transposed = shape[0] > shape[1]
     if transposed:
         x = x.T
-    x = x / (x.norm() * _norm_cushion(coefficients)).clamp(min=eps)
+    cushion = _norm_cushion(coefficients)
+    if reduce_gram is not None:
+        if formulation != "gram":
+            raise ValueError("a distributed (reduce_gram) Newton-Schulz needs formulation='gram'")
+        gram = reduce_gram(x @ x.T)
+        scale = 1.0 / (gram.trace().sqrt() * cushion).clamp(min=eps)
+        x = x * scale
+        gram = gram * (scale * scale)
+    else:
+        x = x / (x.norm() * cushion).clamp(min=eps)
+        gram = x @ x.T
     if formulation == "direct":
-        for a, b, c in triples:
-            gram = x @ x.T
+        for i, (a, b, c) in enumerate(triples):
+            if i:
+                gram = x @ x.T
             poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.addmm(x, poly, x, beta=a)
     elif formulation == "gram":
-        gram = x @ x.T
         eye = torch.eye(gram.size(0), dtype=dtype, device=gram.device)
         acc = None
         for a, b, c in triples:

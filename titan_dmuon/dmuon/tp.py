@@ -112,6 +112,21 @@ class TPUpdate:
         return self.out_local
 
 
+def gram_is_beneficial(dp) -> bool:
+    """Distributed Gram pays when the TP-sharded dim is the long side: the s×s Gram all-reduce is then
+    smaller than gathering and scattering the full m×n update (the "beneficial" policy of seed 002)."""
+    m, n = dp.full_shape
+    long_dim = 0 if m > n else 1 if n > m else None
+    return long_dim is not None and dp.shard_dim == long_dim
+
+
+def all_reduce_gram(dp, ledger: CommLedger, gram: torch.Tensor) -> torch.Tensor:
+    """Sum the TP blocks' partial Gram matrices (one s×s all-reduce over the param's TP group)."""
+    ledger.record("tp_gram", gram.numel(), dp.tp_group.size(), gram.element_size(), factor=2)
+    dist.all_reduce(gram, group=dp.tp_group)
+    return gram
+
+
 def full_from_shards(local: torch.Tensor, dp) -> torch.Tensor:
     """All-gather a param's TP shards into the full logical matrix (identity when not TP-sharded)."""
     if dp.tp_group is None:
