@@ -55,9 +55,9 @@ def test_end_step_moves_and_resets():
     assert set(led.last_step) == set(KINDS) and list(led.last_step) == list(KINDS)
     assert set(led.last_step_bytes) == set(KINDS)
     assert led.last_step == {"broadcast": 700.0, "reduce": 0.0, "replicate_reduce": 50.0,
-                             "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0}
+                             "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0, "tp_gram": 0.0}
     assert led.last_step_bytes == {"broadcast": 1400.0, "reduce": 0.0, "replicate_reduce": 200.0,
-                                   "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0}
+                                   "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0, "tp_gram": 0.0}
     assert all(isinstance(v, float) for v in led.last_step.values())
     # current is reset
     assert sum(led.current.values()) == 0.0 and sum(led.current_bytes.values()) == 0.0
