@@ -19,17 +19,26 @@ def _reference(dp_size: int, gram_for_rectangular: bool = False):
     torch.manual_seed(0)
     model = TinyLlama(D, FF, HEADS, LAYERS)
     muon, adamw = reference_optimizers(model, proj_predicate, **HP)
-    losses = []
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, _lr_factor) for o in (muon, adamw)]
+    losses, norms = [], []
     with fp32_torch_muon(gram_for_rectangular):
         for step in range(STEPS):
             loss = model(torch.cat([seq_batch(step, r, B, T, D) for r in range(dp_size)]))
             loss.backward()
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
             muon.step()
             adamw.step()
+            for sched in schedules:
+                sched.step()
             muon.zero_grad()
             adamw.zero_grad()
             losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _lr_factor(step: int) -> float:
+    """A schedule that changes every step: an update applied late (async TP) must use its own step's lr."""
+    return 1.0 / (1 + step)
 
 
 def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], replicate_async: bool = True,
@@ -72,16 +81,19 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
                      adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
                      adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async,
                      tp_distributed_gram=tp_distributed_gram)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
     dp_rank = dp_mesh.get_coordinate()
     dp_rank = dp_rank[0] if len(dp_rank) == 1 else dp_rank[0] * dp_mesh.size(1) + dp_rank[1]
     st = model._dmuon_state
-    losses, ns_calls = [], []
+    losses, ns_calls, norms = [], [], []
     for step in range(STEPS):
         loss = model(seq_batch(step, dp_rank, B, T, D))
         loss.backward()
+        norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=1e9).item())  # global norm, never clips
         for dp in st.dparams:  # I3 per TP coordinate: the DP owner of each shard holds its grad
             assert (dp._reduced_grad is not None) == dp.is_owner, dp.fqn
         opt.step()
+        sched.step()
         opt.zero_grad()
         ns_calls.append(opt.last_step_stats["ns_calls"])
         lt = loss.detach().clone()
@@ -90,16 +102,17 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
     owned = [dict(name=dp.param_name, local=tuple(dp._orig_size), full=tuple(dp.full_shape), shard_dim=dp.shard_dim,
                   is_tp_owner=dp.is_tp_owner, tp_group_size=dp.tp_group.size() if dp.tp_group else 1)
              for dp in dmuon.get_owned_params(model, rank=dist.get_rank())]
-    return dict(losses=losses, ns_calls=ns_calls, sd=dmuon.get_model_state_dict(model),
+    return dict(losses=losses, ns_calls=ns_calls, norms=norms, sd=dmuon.get_model_state_dict(model),
                 osd=dmuon.get_optimizer_state_dict(model, opt), owned=owned, tp_rank=st.tp_rank,
                 n_dedicated=len(st.dparams), ledger=dict(st.ledger.last_step),
                 p_tp=sum(dp.numel * dp.tp_group.size() for dp in st.dparams if dp.tp_group is not None))
 
 
 def _check_parity(results, dp_size, gram_for_rectangular: bool = False):
-    ref_losses, ref_sd = _reference(dp_size, gram_for_rectangular)
+    ref_losses, ref_sd, ref_norms = _reference(dp_size, gram_for_rectangular)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         for k, v in ref_sd.items():  # full (unsharded across TP) tensors from the getters
             assert r["sd"][k].shape == v.shape, k
             assert_rel_close(r["sd"][k], v, 1e-5, k)

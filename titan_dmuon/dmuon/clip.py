@@ -6,27 +6,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .api import _require_state
 
 
-def _dtensor_sq_norm(grads: list[DTensor]) -> torch.Tensor:
-    """Sum of squares of DTensor grads: local sums, all-reduced over each mesh dim they are sharded on."""
-    total = torch.zeros((), dtype=torch.float32)
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    meshes = {}
+def _dtensor_sq_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of DTensor grads, exact for any placement (FSDP2's `_StridedShard` over TP included):
+    DTensor's own norm per mesh, materialized with `full_tensor()`."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_mesh: dict[int, list[DTensor]] = {}
     for g in grads:
-        key = (id(g.device_mesh), tuple(g.placements))
-        meshes[key] = g.device_mesh
-        buckets.setdefault(key, []).append(g.to_local())
-    for key, locals_ in buckets.items():
-        mesh, placements = meshes[key], key[1]
-        sq = torch.stack([t.float().pow(2).sum() for t in locals_]).sum()
-        for dim, pl in enumerate(placements):
-            if isinstance(pl, Shard):
-                dist.all_reduce(sq, group=mesh.get_group(dim))
-        total = total.to(sq.device) + sq
+        by_mesh.setdefault(id(g.device_mesh), []).append(g)
+    for same_mesh in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        total = total + norm.float().to(device).pow(2)
     return total
 
 
@@ -49,7 +44,7 @@ def clip_grad_norm_(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     others = [p.grad for p in model.parameters() if p not in state.by_param and p.grad is not None]
     dt = [g for g in others if isinstance(g, DTensor)]
     plain = [g for g in others if not isinstance(g, DTensor)]
-    total_sq = ded_sq + _dtensor_sq_norm(dt).to(device)
+    total_sq = ded_sq + _dtensor_sq_norm(dt, device)
     for g in plain:
         total_sq += g.float().pow(2).sum()
     total = total_sq.sqrt()
