@@ -162,7 +162,8 @@ class MetricsLogger:
         parts = [f"step: {step:>4}"]
         fmt = [("loss/train", "loss", "{:.4f}"), ("grad_norm", "grad_norm", "{:.4f}"), ("lr", "lr", "{:.2e}"),
                ("throughput/tokens_per_sec", "tps", "{:,.0f}"), ("mfu", "mfu", "{:.2f}%"),
-               ("throughput/tflops", "tflops", "{:.3f}")]
+               ("throughput/tflops", "tflops", "{:.3f}"), ("loss/validation", "val_loss", "{:.4f}"),
+               ("perplexity/validation", "val_ppl", "{:.2f}")]
         for key, label, spec in fmt:
             if key in scalars:
                 parts.append(f"{label}: {spec.format(scalars[key])}")

@@ -13,6 +13,8 @@ LLAMA3_VOCAB_SIZE = 128256
 llama3_configs: dict[str, ModelArgs] = {
     # Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size).
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
+    # For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads (TP 2 and 4 divide it).
+    "tinymodel": ModelArgs(dim=64, n_layers=2, n_heads=4, multiple_of=32, rope_theta=500000),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
                     ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
@@ -38,15 +40,15 @@ def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> M
 def build_model(flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta",
                 **overrides) -> Transformer:
     """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (parallelize, then
-    ``to_empty`` and ``init_weights``); on a real device the weights are initialized from the current RNG exactly as the meta path would.
+    ``to_empty`` and ``init_weights``); on a real device it takes that same path (meta, ``to_empty``,
+    ``init_weights``), so for one seed it gives the same weights as a meta-built, unsharded model.
 
-    ``vocab_size`` is required for "debugmodel"; ``overrides`` (e.g. ``max_seq_len=...``) replace ModelArgs fields.
+    ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``) replace ModelArgs fields.
     """
     args = get_model_args(flavor, vocab_size, **overrides)
     with torch.device("meta"):
         model = Transformer(args)
     if torch.device(device).type != "meta":
-        # Same path as the parallel trainer (meta -> to_empty -> init_weights): same weights for the same seed.
         model.to_empty(device=device)
         model.init_weights()
     return model

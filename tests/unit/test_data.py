@@ -160,7 +160,8 @@ def test_stdlib_source_offline() -> None:
 
 
 def test_hf_tokenizer(tmp_path, text_dir) -> None:
-    spec = importlib.util.spec_from_file_location("train_tokenizer", os.path.join(REPO, "scripts", "train_tokenizer.py"))
+    script = os.path.join(REPO, "scripts", "train_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     path = module.train_tokenizer(dataset="text", dataset_path=str(text_dir), vocab_size=300, max_docs=30,

@@ -87,7 +87,7 @@ class Training:
     steps: int = 10000
     """Optimizer steps to train for."""
     max_norm: float = 1.0
-    """Clip the global gradient norm to this value."""
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches whose gradients are summed before each optimizer step."""
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
@@ -125,7 +125,7 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
-    """Activation checkpointing: "none", "selective" (recompute cheap ops only) or "full" (every block)."""
+    """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other block: layers 0, 2, 4, ...) or "full" (every block)."""
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -33,4 +34,6 @@ def build_dataloader(*, dataset: str, dataset_path: str, dataset_field: str, tok
     ds = build_dataset(dataset=dataset, dataset_path=dataset_path, dataset_field=dataset_field,
                        tokenizer=tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size, seq_len=seq_len,
                        split=split, seed=seed, shuffle=shuffle, val_fraction=val_fraction)
-    return StatefulDataLoader(ds, batch_size=local_batch_size, num_workers=num_workers)
+    with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital in __init__
+        warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")
+        return StatefulDataLoader(ds, batch_size=local_batch_size, num_workers=num_workers)

@@ -32,7 +32,8 @@ _STDLIB_EXCLUDE = {"test", "tests", "idlelib", "site-packages", "dist-packages",
 class DocumentSource:
     """Random access to documents in a fixed order; ``key(i)`` is a stable name used for the split."""
 
-    blocks: list[tuple[int, int]]  # [start, stop) ranges; shuffling keeps each block's docs together
+    # [start, stop) ranges whose docs shuffling keeps together (e.g. a parquet row group); None: every doc alone.
+    blocks: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -71,7 +72,6 @@ class FileSource(DocumentSource):
     def __init__(self, files: Sequence[str], root: str):
         self.files = list(files)
         self.keys = [_relname(f, root) for f in self.files]
-        self.blocks = [(i, i + 1) for i in range(len(self.files))]
 
     def __len__(self) -> int:
         return len(self.files)
@@ -109,7 +109,6 @@ class JsonlSource(DocumentSource):
                     if line.strip():
                         self.index.append((fi, offset, lineno))
                     offset += len(line)
-        self.blocks = [(i, i + 1) for i in range(len(self.index))]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -261,9 +260,11 @@ class PackedDataset(IterableDataset):
     def _order(self, epoch: int) -> np.ndarray:
         if self._cached_order is not None and self._cached_order[0] == epoch:
             return self._cached_order[1]
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch])
-            blocks = self.source.blocks
+        rng = np.random.default_rng([self.seed, epoch])
+        blocks = self.source.blocks
+        if self.shuffle and blocks is None:
+            order = rng.permutation(len(self.source))
+        elif self.shuffle:
             order = np.concatenate([rng.permutation(np.arange(*blocks[b])) for b in rng.permutation(len(blocks))])
         else:
             order = np.arange(len(self.source))
