@@ -1,0 +1,230 @@
+"""train.py end to end, launched as users launch it (`python train.py` / torchrun), on 1, 2, 4 and 8 CPU ranks.
+
+Every run trains the `tinymodel` flavor for 30 steps on the same global batch of 8 x 32 tokens, so the losses
+of every layout can be compared with the single-process run's: the data stream gives DP rank r the windows
+r, r+N, r+2N, ..., hence the N ranks' micro-batches of one step hold exactly the windows of the single
+process's batch, and the mean over ranks of the per-rank mean losses is the single process's mean loss.
+Losses, grad norms and the DMuon byte counts are read back from the TensorBoard events (EventAccumulator).
+
+Layouts (each with DMuon once, each optimizer at least once):
+  1 process       dmuon (reference, with validation), adamw (reference), dmuon + compile + AC full
+  4 ranks         1D FSDP dmuon == reference; HSDP 2x2 dmuon + AC full + grad accumulation == reference;
+                  dp2 x tp2 adamw + AC selective + grad accumulation == adamw reference;
+                  dp2 x tp2 dmuon == reference
+  8 ranks         2 x 2 x 2 dmuon == reference
+  2 ranks         a diverging run (lr 1e30) stops every rank with a non-zero exit
+  1 process       config errors exit 2 naming the key
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 30
+COMMON = ["--config", "train_configs/debug_model.toml", "--model.flavor", "tinymodel", "--training.seq_len", "32",
+          "--training.steps", str(STEPS), "--training.seed", "42", "--metrics.log_freq", "1",
+          "--lr_scheduler.warmup_steps", "5"]
+
+def run_train(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python train.py` (1 process) or torchrun. A normal 8-rank run takes ~75 s here; the timeout only
+    bounds a hang."""
+    launcher = [sys.executable, "train.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(launcher + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
+
+
+def train(nproc: int, dump: Path, *args: str) -> dict[str, dict[int, float]]:
+    proc = run_train(nproc, COMMON + ["--job.dump_folder", str(dump), *args])
+    assert proc.returncode == 0, _tail(proc)
+    return read_scalars(dump / "tb")
+
+
+def losses(scalars) -> list[float]:
+    loss = scalars["loss/train"]
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    return [loss[s] for s in range(1, STEPS + 1)]
+
+
+def assert_loss_falls(scalars) -> None:
+    values = losses(scalars)
+    first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
+    assert all(math.isfinite(v) for v in values)
+    assert last < 0.85 * first, f"loss did not fall: first 3 {values[:3]}, last 3 {values[-3:]}"
+
+
+def assert_same_run(scalars, ref, rtol: float = 1e-4) -> None:
+    """Losses (and grad norms, 10x looser: they are not averaged) equal to the reference run's, step by step."""
+    for tag, tol in (("loss/train", rtol), ("grad_norm", 10 * rtol)):
+        got, want = scalars[tag], ref[tag]
+        assert sorted(got) == sorted(want)
+        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+        assert worst <= tol, f"{tag}: max relative difference {worst:.3g} > {tol:g}"
+
+
+def dmuon_total(scalars, key: str) -> float:
+    return sum(scalars[f"dmuon/{key}"].values())
+
+
+COMM_KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter")
+
+
+# ------------------------------------------------------------------------------------------ references
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1 process, dmuon, local batch 8 (the global batch of every run below), validation every 10 steps."""
+    return train(1, tmp_path_factory.mktemp("ref_dmuon"), "--training.local_batch_size", "8",
+                 "--validation.enable", "true", "--validation.freq", "10", "--validation.steps", "2")
+
+
+@pytest.fixture(scope="module")
+def reference_adamw(tmp_path_factory):
+    return train(1, tmp_path_factory.mktemp("ref_adamw"), "--training.local_batch_size", "8",
+                 "--optimizer.name", "adamw")
+
+
+def test_single_process_dmuon(reference) -> None:
+    assert_loss_falls(reference)
+    tags = set(reference)
+    expected = {"loss/train", "grad_norm", "lr", "lr/muon", "lr/adamw", "throughput/tokens_per_sec",
+                "throughput/tflops", "memory/rss_gib", "dmuon/ns_calls", "dmuon/ns_time_s",
+                "loss/validation", "perplexity/validation"}
+    expected |= {f"dmuon/{p}_{k}" for p in ("bytes", "elements") for k in COMM_KINDS}
+    assert expected <= tags, sorted(expected - tags)
+    # One process: every one of the 14 block matrices is owned here, and nothing moves.
+    assert set(reference["dmuon/ns_calls"].values()) == {14.0}
+    assert sum(dmuon_total(reference, f"bytes_{k}") for k in COMM_KINDS) == 0
+    # Warmup (5 steps) from (step+1)/6 of the configured lrs (Muon 0.01, AdamW 3e-3).
+    assert reference["lr/muon"][1] == pytest.approx(0.01 / 6)
+    assert reference["lr/adamw"][5] == pytest.approx(3e-3 * 5 / 6)
+    assert reference["lr"][1] == pytest.approx(3e-3 / 6)  # the first param group: AdamW's (embeddings)
+    # Validation at steps 10, 20, 30; perplexity = exp(mean loss).
+    val = reference["loss/validation"]
+    assert sorted(val) == [10, 20, 30]
+    for step, v in val.items():
+        assert reference["perplexity/validation"][step] == pytest.approx(math.exp(v), rel=1e-5)
+    assert val[30] < val[10]
+
+
+def test_single_process_adamw(reference_adamw) -> None:
+    assert_loss_falls(reference_adamw)
+    assert not any(tag.startswith("dmuon/") for tag in reference_adamw)
+    assert reference_adamw["lr"][1] == pytest.approx(3e-3 / 6)
+
+
+# ----------------------------------------------------------------------------------------- multi-rank
+@pytest.mark.slow
+def test_fsdp_4_ranks_matches_single_process(tmp_path, reference) -> None:
+    s = train(4, tmp_path, "--training.local_batch_size", "2")
+    assert_loss_falls(s)
+    assert_same_run(s, reference)
+    assert dmuon_total(s, "bytes_broadcast") > 0 and dmuon_total(s, "bytes_reduce") > 0
+    for kind in ("replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter"):
+        assert dmuon_total(s, f"bytes_{kind}") == 0, kind
+    assert max(s["dmuon/ns_calls"].values()) < 14  # rank 0 owns only its share of the matrices
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_activation_checkpointing_grad_accumulation(tmp_path, reference) -> None:
+    """HSDP (replicate 2 x shard 2), every block checkpointed, 2 micro-batches of 1 per rank (dmuon.no_sync on
+    the first): still the reference's global batch, so still the reference's losses (AC recomputes exactly)."""
+    s = train(4, tmp_path, "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "1",
+              "--training.gradient_accumulation_steps", "2", "--activation_checkpoint.mode", "full",
+              "--validation.enable", "true", "--validation.freq", "15", "--validation.steps", "2")
+    assert_loss_falls(s)
+    assert_same_run(s, reference)
+    for kind in ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast"):
+        assert dmuon_total(s, f"bytes_{kind}") > 0, kind
+    assert sorted(s["loss/validation"]) == [15, 30]
+
+
+@pytest.mark.slow
+def test_dp2_tp2_adamw_matches_single_process(tmp_path, reference_adamw) -> None:
+    """FSDP2 x TP with AdamW (no DMuon): selective AC, grad accumulation through set_requires_gradient_sync."""
+    s = train(4, tmp_path, "--optimizer.name", "adamw", "--parallelism.tensor_parallel_degree", "2",
+              "--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "2",
+              "--activation_checkpoint.mode", "selective")
+    assert_loss_falls(s)
+    assert_same_run(s, reference_adamw)
+    assert not any(tag.startswith("dmuon/") for tag in s)
+
+
+@pytest.mark.slow
+def test_dp2_tp2_dmuon_matches_single_process(tmp_path, reference) -> None:
+    s = train(4, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4")
+    assert_loss_falls(s)
+    assert_same_run(s, reference)
+    assert dmuon_total(s, "bytes_broadcast") > 0 and dmuon_total(s, "bytes_tp_gather") > 0
+
+
+@pytest.mark.slow
+def test_3d_2x2x2_dmuon_matches_single_process(tmp_path, reference) -> None:
+    s = train(8, tmp_path, "--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2")
+    assert_loss_falls(s)
+    assert_same_run(s, reference)
+    for kind in ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather"):
+        assert dmuon_total(s, f"bytes_{kind}") > 0, kind
+
+
+@pytest.mark.slow
+def test_compile_and_full_ac_single_process(tmp_path, reference) -> None:
+    """Per-block torch.compile (of the checkpointed block bodies) under DMuon + FSDP2: same training."""
+    s = train(1, tmp_path, "--training.local_batch_size", "8", "--compile.enable", "true",
+              "--activation_checkpoint.mode", "full")
+    assert_same_run(s, reference, rtol=1e-3)  # inductor's fused kernels round differently
+
+
+@pytest.mark.slow
+def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
+    proc = run_train(2, COMMON + ["--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
+                                  "--optimizer.lr", "1e30", "--optimizer.adamw_lr", "1e30"])
+    assert proc.returncode != 0, _tail(proc)
+    out = proc.stdout + proc.stderr
+    assert "training diverged at step" in out and "non-finite" in out, _tail(proc)
+    for rank in (0, 1):  # every rank stops (ERROR passes the other ranks' WARNING log level)
+        assert any(line.startswith(f"[rank{rank}]") and "training diverged" in line for line in out.splitlines())
+    # It stopped right away, before the optimizer step of the diverged step.
+    assert max(read_scalars(tmp_path / "tb")["loss/train"]) < 5
+
+
+# ---------------------------------------------------------------------------------------- config errors
+@pytest.mark.parametrize("args,expected", [
+    (["--training.stepz", "3"], ["training.stepz"]),
+    (["--parallelism.tensor_parallel_degree", "2"], ["config error", "tensor_parallel_degree", "world size 1"]),
+    (["--model.flavor", "hugemodel"], ["config error", "model.flavor", "hugemodel"]),
+    (["--optimizer.muon_params", "^nothing$"], ["config error", "optimizer.muon_params"]),
+], ids=["unknown-flag", "degrees-vs-world-size", "unknown-flavor", "empty-muon-params"])
+def test_config_errors_exit_nonzero_naming_the_key(tmp_path, args, expected) -> None:
+    proc = run_train(1, COMMON + ["--job.dump_folder", str(tmp_path), *args], timeout=120)
+    assert proc.returncode == 2, _tail(proc)
+    for text in expected:
+        assert text in proc.stderr, _tail(proc)
+    assert "Traceback" not in proc.stderr, _tail(proc)
+
+
+def test_config_file_error_names_file_and_key(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\nsteps = 3\nlocal_batch_sise = 2\n')
+    proc = run_train(1, ["--config", str(bad)], timeout=120)
+    assert proc.returncode == 2, _tail(proc)
+    assert "training.local_batch_sise" in proc.stderr and str(bad) in proc.stderr, _tail(proc)
+    assert "did you mean training.local_batch_size" in proc.stderr, _tail(proc)

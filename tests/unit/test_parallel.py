@@ -1,0 +1,74 @@
+"""ParallelDims degrees, the Muon predicate and activation checkpointing that keeps FQNs (one process)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.llama3 import build_model
+from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.config.job_config import DEFAULT_MUON_PARAMS
+from titan_dmuon.parallel import ParallelDims, apply_ac, muon_predicate
+
+
+def _cfg(replicate=1, shard=-1, tp=1) -> JobConfig:
+    cfg = JobConfig()
+    p = cfg.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree = replicate, shard, tp
+    return cfg
+
+
+@pytest.mark.parametrize("world,replicate,shard,tp,expect", [
+    (1, 1, -1, 1, (1, 1, 1)),
+    (4, 1, -1, 1, (1, 4, 1)),
+    (4, 2, -1, 1, (2, 2, 1)),
+    (4, 1, -1, 2, (1, 2, 2)),
+    (8, 2, 2, 2, (2, 2, 2)),
+])
+def test_parallel_dims_from_config(world, replicate, shard, tp, expect) -> None:
+    dims = ParallelDims.from_config(_cfg(replicate, shard, tp), world)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == expect
+    assert dims.dp_world_size == expect[0] * expect[1]
+    assert dims.hsdp == (expect[0] > 1) and dims.tp_enabled == (expect[2] > 1)
+
+
+def test_parallel_dims_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
+        ParallelDims.from_config(_cfg(tp=3), 4)
+    with pytest.raises(ConfigError, match="world size is 4"):
+        ParallelDims.from_config(_cfg(replicate=2, shard=4), 4)
+    with pytest.raises(ValueError, match="world_size"):
+        ParallelDims(dp_replicate=2, dp_shard=2, tp=1, world_size=8)
+
+
+def test_default_muon_predicate_selects_block_matrices_only() -> None:
+    model = build_model("tinymodel", vocab_size=64)  # meta: names and shapes only
+    pred = muon_predicate(DEFAULT_MUON_PARAMS)
+    selected = sorted(n for n, p in model.named_parameters() if pred(n, p))
+    per_block = ["attention.wk.weight", "attention.wo.weight", "attention.wq.weight", "attention.wv.weight",
+                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"]
+    assert selected == [f"layers.{i}.{n}" for i in range(2) for n in per_block]
+
+
+@pytest.mark.parametrize("mode,expect", [("none", []), ("selective", ["layers.0", "layers.2"]),
+                                         ("full", ["layers.0", "layers.1", "layers.2"])])
+def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None:
+    torch.manual_seed(0)
+    ref = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=3, max_seq_len=16)
+    model = copy.deepcopy(ref)
+    assert apply_ac(model, mode) == expect
+    # The module tree is untouched: same FQNs (DMuon's hook boundaries and the muon_params regex rely on it).
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    # Forward hooks on a block still fire around the checkpointed body.
+    calls = []
+    model.layers["0"].register_forward_pre_hook(lambda mod, args: calls.append("pre"))
+    model(tokens)
+    assert calls == ["pre"]

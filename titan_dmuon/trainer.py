@@ -1,0 +1,313 @@
+"""The training loop, built in an explicit order like torchtitan's Trainer.
+
+    trainer = Trainer(cfg)   # device, dist, mesh, seed, tokenizer, model, parallelize, optimizer, lr, data,
+    try:                     # metrics (the profiler starts with train())
+        trainer.train()
+    finally:
+        trainer.close()      # metrics, process group
+
+Every rank runs the same steps and the same collectives; a non-finite loss or grad norm (identical on every
+rank after the reductions) stops all ranks at the same step with `TrainingDivergedError`, before the
+optimizer step.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.data import build_dataloader, build_tokenizer
+from titan_dmuon.lr_scheduler import build_lr_scheduler
+from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
+from titan_dmuon.optimizer import build_optimizer
+from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm became NaN/inf."""
+
+
+def _import_model_family(name: str):
+    try:
+        return importlib.import_module(f"models.{name}")
+    except ModuleNotFoundError:
+        raise ConfigError(f"model.name = {name!r}: no package models/{name}") from None
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.step = 0
+        self._owns_process_group = False
+        self.metrics: MetricsLogger | None = None
+        try:
+            self._build()
+        except BaseException as e:  # e.g. a ConfigError found after dist init: leave no process group behind
+            self.close(graceful=isinstance(e, ConfigError))
+            raise
+
+    def _build(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+
+        # 1. Device.
+        self.device = self._init_device()
+        # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group.
+        self._init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # 3. Degrees and the one mesh (replicate, shard, tp); TP ranks of a DP group share data.
+        self.dims = ParallelDims.from_config(cfg, self.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_world_size = self.dims.dp_coordinates(self.mesh)
+        logger.info("%s; %s", cfg.job.description, self.dims.describe())
+        # 4. Seed (the same on every rank: model init must agree) and determinism.
+        self.seed = self._set_determinism()
+        # 5. Tokenizer.
+        try:
+            self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.tokenizer: {e}") from None
+        # 6. Model: built on meta, materialized, initialized from the seed on every rank (identically), and only
+        #    THEN parallelized: DMuon's dedicate_params copies each owner's fp32 master out of the live values
+        #    (and publishes the owner's value to its replicas), so the params must hold their initial values
+        #    before it runs; TP's distribute_tensor likewise shards materialized tensors.
+        family = _import_model_family(cfg.model.name)
+        try:
+            model = family.build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="meta",
+                                       max_seq_len=t.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: {e}") from None
+        self.num_params, self.flops_per_token = family.get_nparams_and_flops(model, t.seq_len)
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.seed)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device)
+        logger.info("Model %s/%s: %s params, %.3g training FLOPs/token", cfg.model.name, cfg.model.flavor,
+                    f"{self.num_params:,}", self.flops_per_token)
+        # 7. Parallelize: TP -> AC -> compile -> DMuon -> FSDP2.
+        self.model = parallelize(model, self.dims, self.mesh, cfg, apply_tp=getattr(family, "apply_tp", None))
+        self.uses_dmuon = cfg.optimizer.name == "dmuon"
+        # 8. Optimizer and 9. lr schedule (one factor for every param group).
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        # 10. Data: this DP rank's windows of the packed stream (and the held-out split for validation).
+        self.dataloader = build_dataloader(
+            dataset=t.dataset, dataset_path=t.dataset_path, dataset_field=t.dataset_field, tokenizer=self.tokenizer,
+            dp_rank=self.dp_rank, dp_world_size=self.dp_world_size, local_batch_size=t.local_batch_size,
+            seq_len=t.seq_len, split="train", seed=self.seed)
+        self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
+        # 11. Metrics (rank 0 writes).
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps)
+        self.peak_flops = get_peak_flops(self.device)
+        self.max_norm = t.max_norm if t.max_norm > 0 else math.inf
+
+    # ------------------------------------------------------------------------------------------- setup
+    def _init_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            return device
+        return torch.device("cpu")
+
+    def _init_distributed(self) -> None:
+        if dist.is_initialized():  # the caller made the group (e.g. a test harness): use it, leave it
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (also under srun)
+            dist.init_process_group(backend, device_id=self.device if self.device.type == "cuda" else None)
+        else:  # `python train.py`: a group of one, no rendezvous needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._owns_process_group = True
+
+    def _set_determinism(self) -> int:
+        seed = self.cfg.training.seed
+        if seed is None:  # random, but one value for all ranks
+            t = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=0)
+            seed = int(t.item())
+        torch.manual_seed(seed)
+        if self.cfg.training.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        return seed
+
+    def _build_val_dataloader(self):
+        t, v = self.cfg.training, self.cfg.validation
+        if v.dataset:  # a dataset of its own: all of it is validation data (val_fraction=1 keeps one doc out
+            dataset, path, fraction = v.dataset, v.dataset_path or t.dataset_path, 1.0  # when it has >= 2)
+            if dataset != "stdlib" and not path:
+                raise ConfigError(f"validation.dataset_path is required for validation.dataset = {dataset!r}")
+        else:  # the held-out split of the training data
+            dataset, path, fraction = t.dataset, t.dataset_path, 0.02
+        return build_dataloader(dataset=dataset, dataset_path=path, dataset_field=t.dataset_field,
+                                tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
+                                local_batch_size=t.local_batch_size, seq_len=t.seq_len, split="val",
+                                seed=self.seed, val_fraction=fraction)
+
+    # -------------------------------------------------------------------------------------------- step
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def _grad_sync(self, enabled: bool):
+        """No gradient communication on the micro-batches before the last one (grad accumulation)."""
+        if enabled:
+            return contextlib.nullcontext()
+        if self.uses_dmuon:
+            from titan_dmuon import dmuon
+
+            return dmuon.no_sync(self.model)  # DMuon's reduces and FSDP2's
+
+        @contextlib.contextmanager
+        def fsdp_no_sync():
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+
+        return fsdp_no_sync()
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """One global L2 norm over every grad (the same value on every rank); grads scaled to max_norm."""
+        if self.uses_dmuon:
+            from titan_dmuon import dmuon
+
+            return dmuon.clip_grad_norm_(self.model, self.optimizer, self.max_norm)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(total, DTensor):  # FSDP2/TP grads: a partial norm over the mesh -> the global value
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total)
+        return total
+
+    def train_step(self, data_iter) -> tuple[float, float, int]:
+        """One optimizer step over gradient_accumulation_steps micro-batches.
+
+        Returns (loss averaged over the DP ranks, global grad norm, tokens this rank processed).
+        """
+        accum = self.cfg.training.gradient_accumulation_steps
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        ntokens = 0
+        for i in range(accum):
+            inputs, labels = next(data_iter)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._grad_sync(i == accum - 1):
+                loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
+                loss.backward()
+            loss_sum += loss.detach()
+            ntokens += labels.numel()
+        grad_norm = self._clip_grad_norm()
+        # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks.
+        dist.all_reduce(loss_sum)
+        loss_value, norm_value = torch.stack([loss_sum / self.world_size,
+                                              grad_norm.detach().float().to(self.device)]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
+                "(non-finite); stopping before the optimizer step. Lower optimizer.lr / optimizer.adamw_lr, "
+                "raise lr_scheduler.warmup_steps or lower training.max_norm")
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss_value, norm_value, ntokens
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean loss and perplexity over validation.steps batches of the held-out data (all DP ranks)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, (inputs, labels) in enumerate(self.val_dataloader):
+            if i >= self.cfg.validation.steps:
+                break
+            total[0] += self._loss(inputs.to(self.device), labels.to(self.device)).double()
+            total[1] += 1
+        dist.all_reduce(total)
+        if total[1].item() == 0:
+            logger.warning("validation: the held-out data gave no batch (too short for the batch shape)")
+            return {}
+        mean = (total[0] / total[1]).item()
+        return {"loss/validation": mean, "perplexity/validation": math.exp(min(mean, 700.0))}
+
+    # -------------------------------------------------------------------------------------------- loop
+    def train(self) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        log_freq = cfg.metrics.log_freq
+        data_iter = iter(self.dataloader)
+        logger.info("Training %d steps: global batch %d x %d tokens (local %d x %d DP ranks x %d accumulation)",
+                    t.steps, t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps, t.seq_len,
+                    t.local_batch_size, self.dp_world_size, t.gradient_accumulation_steps)
+        with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler, \
+                maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot:
+            interval_start, interval_tokens = time.perf_counter(), 0
+            while self.step < t.steps:
+                self.step += 1
+                # The lrs this step trains with (train_step advances the schedule): the first group's, and with
+                # DMuon each kind's (its first group is an AdamW one).
+                lr = self.lr_scheduler.get_last_lr()[0]
+                kind_lrs = {}
+                for group in self.optimizer.param_groups:
+                    if "kind" in group:
+                        kind_lrs.setdefault(f"lr/{group['kind']}", group["lr"])
+                loss, grad_norm, ntokens = self.train_step(data_iter)
+                interval_tokens += ntokens
+                scalars: dict[str, float] = {}
+                if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                    elapsed = time.perf_counter() - interval_start
+                    scalars.update({"loss/train": loss, "grad_norm": grad_norm, "lr": lr})
+                    scalars.update(kind_lrs)
+                    # Per device: TP ranks process the same tokens.
+                    scalars.update(throughput_metrics(interval_tokens / self.dims.non_dp_size, elapsed,
+                                                      self.flops_per_token, self.peak_flops))
+                    scalars.update(device_memory_stats(self.device))
+                    if self.uses_dmuon:
+                        scalars.update({f"dmuon/{k}": float(v) for k, v in self.optimizer.last_step_stats.items()})
+                    interval_tokens = 0
+                if self.val_dataloader is not None and self.step % cfg.validation.freq == 0:
+                    val_start = time.perf_counter()
+                    scalars.update(self.validate())
+                    interval_start += time.perf_counter() - val_start  # validation is not training time
+                if scalars:
+                    self.metrics.log(self.step, scalars)
+                profiler.step()
+                snapshot.step()
+                if "loss/train" in scalars:  # logging, validation and trace export are not training time
+                    interval_start = time.perf_counter()
+        logger.info("Training done: %d steps", self.step)
+
+    def close(self, graceful: bool = True) -> None:
+        """Close the metrics writer and destroy the process group this trainer created.
+
+        graceful=False (after an unexpected error) talks to no other rank: the peers may be gone or stuck.
+        """
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._owns_process_group and dist.is_initialized():
+            state = getattr(getattr(self, "model", None), "_dmuon_state", None)
+            if graceful and state is not None:  # an HSDP async publish may still be in flight: finish it
+                state.drain_publish()
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+
+def set_up_logging(rank: int | None = None) -> None:
+    """INFO on rank 0, WARNING elsewhere (rank from $RANK when not given)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+__all__ = ["Trainer", "TrainingDivergedError", "set_up_logging"]

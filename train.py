@@ -1,0 +1,41 @@
+"""Train a model: python train.py --config train_configs/debug_model.toml [--section.field value ...]
+
+Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
+Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed, 2 configuration error.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from titan_dmuon.config import ConfigError, parse_args_or_exit
+
+logger = logging.getLogger("train")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
+    from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
+
+    set_up_logging()
+    trainer, graceful = None, False
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+        graceful = True
+    except ConfigError as e:  # the same on every rank
+        graceful = True
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDivergedError as e:  # every rank stops at the same step
+        graceful = True
+        logger.error("%s", e)  # every rank logs it (ERROR passes the non-zero ranks' WARNING level)
+        return 1
+    finally:  # anything else propagates (traceback, exit 1; torchrun stops the other ranks)
+        if trainer is not None:
+            trainer.close(graceful=graceful)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
