@@ -10,12 +10,25 @@ number of steps for every configuration):
                     all-gathered (DTensor.full_tensor()), every rank runs momentum + the same fp32 Newton-Schulz
                     on the full matrix and applies its own shard of the update; torch AdamW (foreach) on the rest.
   fsdp2_adamw       FSDP2 + torch.optim.AdamW (foreach) on every param.
+  hsdp_sync         (only with --hsdp R) DMuon on the HSDP mesh (R, N/R) = ("replicate", "shard"):
+                    dedicate_params(model, mesh["shard"], replicate_mesh=mesh["replicate"]) (Z3), fully_shard
+                    on the 2D mesh, dmuon.Muon(..., replicate_async=False): the replicate-axis publish of the
+                    updated `_owned_data` is issued and waited inside step().
+  hsdp_async        the same with replicate_async=True: each group's publish is dispatched after its update
+                    and waited in that group's next pre-forward (unshard).
 
 All configurations are built up front and stepped round-robin (step s of each, then step s+1, ...), so
 background load drifting during the run hits them alike. Step time = forward + backward + optimizer step
 (zero_grad included), timed on every rank after a dist.barrier(), max over ranks per step, mean over the
 timed steps (warmup steps excluded). The table also splits it into forward / backward / step (same
 harness, max over ranks of each phase) and shows the 1-minute load average (other jobs on the machine).
+
+With --hsdp R the two HSDP runs must end bitwise identical (async only moves the publish wait): the script
+checks the final loss on every rank (and the dedicated params' `_owned_data` and the FSDP2 shards), prints
+it, and prints the per-rank per-step DMuon ledger of the HSDP run (elements by kind, seed-004 counting rule)
+next to seed 004 theorem 3: shard reduce (G-1)/G*P_M, shard broadcast 2(G-1)/G*P_M (Z3: forward + backward
+re-broadcast), replicate reduce and publish (R-1)/R*P_col each, P_col = dedicated elements owned by the
+rank's shard column (summed over a replicate row of G ranks: (R-1)/R*P_M). G = N/R is the shard size.
 
 DMuon Z3 resident/ideal: after the last step, per rank, bytes of `_owned_data` + Muon momentum buffers of the
 dedicated params + any packed group buffer storage still allocated; max over ranks divided by
@@ -25,6 +38,7 @@ Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank
 
     python3 scripts/bench_step.py                      # N=4, d=256, ff=1024, 4 layers, batch 8, 10 steps
     python3 scripts/bench_step.py --nproc 2 --z2       # also DMuon-Z2
+    python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
 """
 from __future__ import annotations
@@ -161,6 +175,23 @@ def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True):
     return model, opt
 
 
+def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
+    """DMuon (Z3) on the ("replicate", "shard") mesh, as tests/dmuon_harness.py builds HSDP."""
+    from titan_dmuon import dmuon
+
+    model = make_model(args)
+    dmuon.dedicate_params(model, mesh2d["shard"], predicate=is_muon_target,
+                          replicate_mesh=mesh2d["replicate"], reshard_after_forward=True)
+    shard_all(model, mesh2d)
+    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS,
+                     replicate_async=replicate_async)
+    return model, opt
+
+
+def is_dmuon(name: str) -> bool:
+    return name.startswith("dmuon") or name.startswith("hsdp")
+
+
 def build_naive(mesh, args: argparse.Namespace):
     model = make_model(args)
     shard_all(model, mesh)
@@ -198,15 +229,19 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
     """Warmup + timed steps, round-robin over the configurations (step s of every config, then s+1, ...).
 
     Interleaving makes the ratios robust to background load that drifts during the run. Per config:
-    mean over timed steps of the max over ranks of total/fwd/bwd/step/NS seconds, and the final mean loss.
+    mean over timed steps of the max over ranks of total/fwd/bwd/step/NS seconds, and the final mean loss;
+    for the HSDP runs also this rank's final loss and its DMuon ledger of every timed step.
     """
     sums = {name: torch.zeros(5, dtype=torch.float64) for name in runs}
     losses = {}
+    ledgers = {name: [] for name in runs if name.startswith("hsdp")}
     for step in range(args.warmup + args.steps):
         x = make_batch(step, rank, args)
         for name, (model, opt) in runs.items():
             losses[name], phases = timed_step(model, opt, x)
             if step >= args.warmup:
+                if name in ledgers:
+                    ledgers[name].append(dict(model._dmuon_state.ledger.last_step))
                 t = torch.tensor(phases, dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 sums[name] += t
@@ -217,6 +252,8 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
         mean = (sums[name] / args.steps).tolist()
         results[name] = dict(total=mean[0], fwd=mean[1], bwd=mean[2], step=mean[3], ns=mean[4],
                              loss=loss.item())
+        if name in ledgers:
+            results[name].update(local_loss=losses[name], ledgers=ledgers[name])
     return results
 
 
@@ -253,6 +290,42 @@ def naive_resident_ratio(model: nn.Module, opt: NaiveFSDP2Muon, world: int) -> f
     return t.item() / (2 * 4 * p_m / world)
 
 
+def _flat_state(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's copy of the trained state: dedicated params' `_owned_data`, then every FSDP2 local shard."""
+    st = model._dmuon_state
+    dedicated = {dp.param for dp in st.dparams}
+    out = [dp._owned_data for dp in st.dparams if dp._owned_data is not None]
+    for p in model.parameters():
+        if p not in dedicated:
+            out.append(p.to_local() if hasattr(p, "to_local") else p)
+    return [t.detach() for t in out]
+
+
+def hsdp_checks(runs: dict, results: dict, world: int) -> dict:
+    """Drain the async publish; sync vs async bitwise (final loss and state, every rank); gather the ledgers."""
+    for name in ("hsdp_sync", "hsdp_async"):
+        runs[name][0]._dmuon_state.drain_publish()
+    s, a = results["hsdp_sync"], results["hsdp_async"]
+    same_loss = torch.equal(s["local_loss"], a["local_loss"])
+    ts, ta = _flat_state(runs["hsdp_sync"][0]), _flat_state(runs["hsdp_async"][0])
+    same_state = len(ts) == len(ta) and all(torch.equal(x, y) for x, y in zip(ts, ta))
+    flags = torch.tensor([int(same_loss), int(same_state)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    st = runs["hsdp_sync"][0]._dmuon_state
+    mine = dict(
+        coord=(st.shard_rank, st.replicate_rank), shard_size=st.shard_size, replicate_size=st.replicate_size,
+        z3=st.reshard_after_forward, p_m=sum(dp.numel for dp in st.dparams),
+        p_col=sum(dp.numel for dp in st.dparams if dp.in_owner_column),
+        ledger=s["ledgers"][-1],
+        steady=all(led == s["ledgers"][-1] for led in s["ledgers"]),  # the same every timed step
+        async_same=a["ledgers"] == s["ledgers"],  # the async run's ledgers equal the sync run's, step by step
+        local_loss=(s["local_loss"].item(), a["local_loss"].item()),
+    )
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    return dict(loss_bitwise=bool(flags[0]), state_bitwise=bool(flags[1]), ranks=per_rank)
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -267,9 +340,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
         builders += [("naive_fsdp2_muon", lambda: build_naive(mesh, args)),
                      ("fsdp2_adamw", lambda: build_adamw(mesh, args))]
+        if args.hsdp:
+            mesh2d = init_device_mesh("cpu", (args.hsdp, world // args.hsdp),
+                                      mesh_dim_names=("replicate", "shard"))
+            builders += [("hsdp_sync", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=False)),
+                         ("hsdp_async", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=True))]
         runs = {name: build() for name, build in builders}
         load_before = os.getloadavg()[0]
         results = run_interleaved(runs, args, rank)
+        hsdp = hsdp_checks(runs, results, world) if args.hsdp else None
         resident = {}  # after the last step
         for name, (model, opt) in runs.items():
             if name.startswith("dmuon"):
@@ -279,12 +358,55 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         load = (load_before, os.getloadavg()[0])
         dist.barrier()
         if rank == 0:
-            report(results, resident, load, world, args)
+            report(results, resident, load, world, args, hsdp)
     finally:
         dist.destroy_process_group()
 
 
-def report(results: dict, resident: dict, load: tuple, world: int, args: argparse.Namespace) -> None:
+def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
+    """Bitwise sync-vs-async check and the per-rank ledger next to theorem 3; returns whether all held."""
+    ranks = hsdp["ranks"]
+    R, G = ranks[0]["replicate_size"], ranks[0]["shard_size"]
+    p_m, z3 = ranks[0]["p_m"], ranks[0]["z3"]
+    s, a = results["hsdp_sync"]["loss"], results["hsdp_async"]["loss"]
+    ok_bits = hsdp["loss_bitwise"] and hsdp["state_bitwise"] and s == a
+    print(f"HSDP {R}x{G} (replicate x shard) final loss, mean over ranks: sync {s!r} ({s.hex()}), "
+          f"async {a!r} ({a.hex()})")
+    print(f"  bitwise equal: final loss on every rank {'yes' if hsdp['loss_bitwise'] else 'NO'}, mean "
+          f"{'yes' if s == a else 'NO'}; final params (_owned_data + FSDP2 shards) on every rank "
+          f"{'yes' if hsdp['state_bitwise'] else 'NO'}")
+    print(f"HSDP {R}x{G} DMuon ledger, elements per rank per step (seed-004 rule: (k-1)/k*P per collective "
+          f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (theorem 3)")
+    kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast")
+    print(f"{'rank':>4} {'(shard,rep)':>11} {'P_col':>9}" + "".join(f"{k:>27}" for k in kinds) + "  check")
+    ok_all = ok_bits
+    for rank, r in enumerate(ranks):
+        led, p_col = r["ledger"], r["p_col"]
+        want = {"broadcast": (2 if z3 else 1) * (G - 1) / G * p_m, "reduce": (G - 1) / G * p_m,
+                "replicate_reduce": (R - 1) / R * p_col, "replicate_broadcast": (R - 1) / R * p_col}
+        ok = all(math.isclose(led[k], want[k], rel_tol=1e-12, abs_tol=1e-9) for k in kinds)
+        ok = ok and all(v == 0 for k, v in led.items() if k not in kinds) and r["steady"] and r["async_same"]
+        ok_all = ok_all and ok
+        cells = "".join(f"{f'{led[k]:.0f} ({want[k]:.0f})':>27}" for k in kinds)
+        print(f"{rank:>4} {str(r['coord']):>11} {p_col:>9}{cells}  {'ok' if ok else 'MISMATCH'}")
+    for row_i in range(R):
+        row = [r for r in ranks if r["coord"][1] == row_i]
+        sums = {k: sum(r["ledger"][k] for r in row) for k in ("replicate_reduce", "replicate_broadcast")}
+        want = (R - 1) / R * p_m
+        ok = len(row) == G and all(math.isclose(v, want, rel_tol=1e-12, abs_tol=1e-9) for v in sums.values())
+        ok_all = ok_all and ok
+        print(f"  replicate row {row_i} ({len(row)} ranks): replicate_reduce {sums['replicate_reduce']:.0f}, "
+              f"replicate_broadcast {sums['replicate_broadcast']:.0f} ((R-1)/R*P_M = {want:.0f})  "
+              f"{'ok' if ok else 'MISMATCH'}")
+    steady = all(r["steady"] for r in ranks)
+    same = all(r["async_same"] for r in ranks)
+    print(f"  ledger the same every timed step: {'yes' if steady else 'NO'}; async run's ledger equal to the "
+          f"sync run's, step by step: {'yes' if same else 'NO'}")
+    return ok_all
+
+
+def report(results: dict, resident: dict, load: tuple, world: int, args: argparse.Namespace,
+           hsdp: dict | None = None) -> None:
     ms = 1e3
     print(f"bench_step: N={world} gloo ranks x 1 thread on {os.cpu_count()} CPUs, d={args.d} ff={args.ff} "
           f"layers={args.layers} batch={args.batch}; {args.steps} timed steps after {args.warmup} warmup, configs "
@@ -293,19 +415,28 @@ def report(results: dict, resident: dict, load: tuple, world: int, args: argpars
     print(f"{'config':<18}{'step ms':>10}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}{'NS ms*':>9}"
           f"{'final loss':>13}{'resident/ideal':>16}")
     for name, r in results.items():
-        ns = f"{r['ns'] * ms:9.1f}" if name.startswith("dmuon") else f"{'-':>9}"
+        ns = f"{r['ns'] * ms:9.1f}" if is_dmuon(name) else f"{'-':>9}"
         res = f"{resident[name]:15.2f}x" if name in resident else f"{'-':>16}"
         print(f"{name:<18}{r['total'] * ms:10.1f}{r['fwd'] * ms:9.1f}{r['bwd'] * ms:9.1f}{r['step'] * ms:9.1f}"
               f"{ns}{r['loss']:13.6f}{res}")
     print("* NS ms: DMuon's own timer of its owner-side momentum+NS+update (part of opt ms). resident/ideal "
           "(after the last step): Muon-matrix params + momentum bytes, max over ranks / (2*4*P_M/N).")
+    hsdp_part, hsdp_ok = "", True
+    if hsdp is not None:
+        R, G = args.hsdp, world // args.hsdp
+        print(f"hsdp_sync / hsdp_async: DMuon Z3 on the HSDP mesh ({R}, {G}) = (replicate, shard), "
+              f"replicate_async=False / True")
+        hsdp_ok = report_hsdp(hsdp, results, args)
+        hs, ha = results["hsdp_sync"]["total"], results["hsdp_async"]["total"]
+        hsdp_part = (f" | hsdp {R}x{G} sync {hs * ms:.1f} ms, async {ha * ms:.1f} ms (sync/async {hs / ha:.2f}x)"
+                     + ("" if hsdp_ok else " [HSDP CHECK FAILED]"))
     d, n, a = results["dmuon"]["total"], results["naive_fsdp2_muon"]["total"], results["fsdp2_adamw"]["total"]
     z2 = ""
     if "dmuon_z2" in results:
         z2 = f"dmuon_z2 {results['dmuon_z2']['total'] * ms:.1f} ms, "
     print(f"bench_step N={world} d={args.d} ff={args.ff} layers={args.layers}: dmuon {d * ms:.1f} ms, {z2}"
           f"naive_fsdp2_muon {n * ms:.1f} ms, fsdp2_adamw {a * ms:.1f} ms | naive/dmuon {n / d:.2f}x, "
-          f"dmuon/adamw {d / a:.2f}x | dmuon Z3 resident/ideal {resident['dmuon']:.2f}x", flush=True)
+          f"dmuon/adamw {d / a:.2f}x | dmuon Z3 resident/ideal {resident['dmuon']:.2f}x{hsdp_part}", flush=True)
 
 
 def free_port() -> int:
@@ -324,9 +455,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="number of blocks (default 4)")
     p.add_argument("--batch", type=int, default=8, help="rows of input per rank (default 8)")
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")
+    p.add_argument("--hsdp", type=int, default=0, metavar="R",
+                   help="also time DMuon on the HSDP mesh (R, nproc/R), sync and async replicate publish")
     args = p.parse_args(argv)
     if args.nproc < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--nproc and --steps must be >= 1, --warmup >= 0")
+    if args.hsdp and (args.hsdp < 1 or args.nproc % args.hsdp):
+        p.error(f"--hsdp R must be >= 1 and divide --nproc ({args.nproc}); got {args.hsdp}")
     return args
 
 
