@@ -8,36 +8,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from models.tiny_mlp import TinyMLP, is_muon_target
 from titan_dmuon import dmuon
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, ff: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(x)
-        return x + self.down_proj(self.gate_proj(h) * self.up_proj(h))
-
-
-class TinyMLP(nn.Module):
-    def __init__(self, d: int = 256, ff: int = 1024, n_layers: int = 4):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(d, ff) for _ in range(n_layers)])
-        self.head = nn.Linear(d, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).pow(2).mean()
 
 
 def main() -> None:
@@ -50,7 +25,7 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(42)
     model = TinyMLP().to(device)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    dmuon.dedicate_params(model, mesh, predicate=is_muon_target)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -60,41 +60,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
+
 # Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for the naive baseline).
 MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
 ADAMW_LR, ADAMW_BETAS, ADAMW_EPS, ADAMW_WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
 # ---- model and data (seed 003) -------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int, ff: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln(x)
-        return x + self.down_proj(self.gate_proj(h) * self.up_proj(h))
-
-
-class TinyMLP(nn.Module):
-    def __init__(self, d: int, ff: int, n_layers: int):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(d, ff) for _ in range(n_layers)])
-        self.head = nn.Linear(d, 1, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).pow(2).mean()
-
-
-def is_muon_target(name: str, p: torch.Tensor) -> bool:
-    return "proj" in name and p.ndim == 2
-
-
 def make_model(args: argparse.Namespace) -> TinyMLP:
     torch.manual_seed(0)  # identical init on every rank and for every configuration
     return TinyMLP(args.d, args.ff, args.layers)

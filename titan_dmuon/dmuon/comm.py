@@ -72,52 +72,40 @@ def _coalesce(group: dist.ProcessGroup, device: torch.device, issue) -> Work:
     return Work(issue(async_op=True))
 
 
-def broadcast_coalesced(
-    tensors: Sequence[tuple[torch.Tensor, int]],
-    group: dist.ProcessGroup,
-    ledger: CommLedger | None,
-    kind: str,
-) -> Work:
-    """Broadcast each (tensor, src global rank) over `group`; one coalesced call.
-
-    `group=None` stands for a group of this rank alone (DDP's shard axis): a no-op, like any 1-rank group.
-    """
+def _rooted_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
+                      ledger: CommLedger | None, kind: str, op) -> Work:
+    """Issue `op(tensor, root, group, async_op)` for each (tensor, root global rank) as one coalesced batch,
+    recording each in the ledger. `group=None` stands for a group of this rank alone (DDP's shard axis): a
+    no-op, like any 1-rank group."""
     size = dist.get_world_size(group) if group is not None else 1
     if size == 1 or not tensors:
         return Work()
-    for t, _ in tensors:
-        if ledger is not None:
+    if ledger is not None:
+        for t, _ in tensors:
             ledger.record(kind, t.numel(), size, t.element_size())
 
     def issue(async_op: bool):
-        return [dist.broadcast(t, src=src, group=group, async_op=async_op) for t, src in tensors]
+        return [op(t, root, group, async_op) for t, root in tensors]
 
     return _coalesce(group, tensors[0][0].device, issue)
 
 
-def reduce_coalesced(
-    tensors: Sequence[tuple[torch.Tensor, int]],
-    group: dist.ProcessGroup,
-    ledger: CommLedger | None,
-    kind: str,
-) -> Work:
-    """Average each (tensor, dst global rank) over `group` onto dst; one coalesced call. No-op on 1 rank.
+def broadcast_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
+                        ledger: CommLedger | None, kind: str) -> Work:
+    """Broadcast each (tensor, src global rank) over `group`; one coalesced call."""
+    return _rooted_coalesced(tensors, group, ledger, kind,
+                             lambda t, src, g, a: dist.broadcast(t, src=src, group=g, async_op=a))
+
+
+def reduce_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
+                     ledger: CommLedger | None, kind: str) -> Work:
+    """Average each (tensor, dst global rank) over `group` onto dst; one coalesced call.
 
     gloo leaves partial sums in the non-destination buffers: callers must not read them afterwards.
-    `group=None` stands for a group of this rank alone: a no-op.
     """
-    size = dist.get_world_size(group) if group is not None else 1
-    if size == 1 or not tensors:
-        return Work()
-    for t, _ in tensors:
-        if ledger is not None:
-            ledger.record(kind, t.numel(), size, t.element_size())
-
-    def issue(async_op: bool):
-        return [dist.reduce(t, dst=dst, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-                for t, dst in tensors]
-
-    return _coalesce(group, tensors[0][0].device, issue)
+    return _rooted_coalesced(tensors, group, ledger, kind,
+                             lambda t, dst, g, a: dist.reduce(t, dst=dst, op=dist.ReduceOp.AVG, group=g,
+                                                              async_op=a))
 
 
 def group_rank_to_global(group: dist.ProcessGroup, group_rank: int) -> int:
