@@ -7,13 +7,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from . import replicate_axis as _replicate
 from . import tp as _tp
 from .group import DedicatedParamGroup, DMuonState
 from .hooks import resolve_hook_modules
-from .param import DedicatedParam
+from .param import DedicatedParam, _local_of
 from .partition import PartitionItem, compute_balanced_assignment
 
 Predicate = Callable[[str, nn.Parameter], bool]
@@ -113,7 +112,7 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     by_module: dict[str, list[DedicatedParam]] = {}
     for name, p in selected:
         slot, lay = slots[name], layouts[name]
-        local = p._local_tensor if isinstance(p, DTensor) else p
+        local = _local_of(p)
         dp = DedicatedParam(fqn=name, param=p, owner_shard=slot % G, owner_replicate=slot // G,
                             shard_rank=state.shard_rank, replicate_rank=state.replicate_rank,
                             full_shape=p.shape, _orig_size=local.shape)
@@ -173,20 +172,8 @@ def dedicate_params_ddp(
 
     Use `replicate(model, mesh)` for the other params. Returns each dedicated param's owner rank in `mesh`.
     """
-    if _get_state(model) is not None:
-        raise RuntimeError("dedicate_params_ddp: DMuon was already applied to this model: call it once")
-    _check_mesh(mesh, "mesh", None)
-    selected = _select(model, predicate)
-    dp_names = _tp.dp_mesh_names(None, mesh)
-    for name, p in selected:
-        if _tp.tp_layout(name, p, dp_names) is not None:
-            raise ValueError(
-                f"dedicate_params_ddp: '{name}' is sharded by tensor parallelism; use "
-                "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate) and dmuon.replicate_tp for TP models"
-            )
-    owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
-                       hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp")
-    return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
+    return _dedicate_ddp("dedicate_params_ddp", model, mesh, predicate, allow_tp=False,
+                         hook_boundary_predicate=hook_boundary_predicate, tp_buffer_reuse=False)
 
 
 def dedicate_params_ddp_tp(
@@ -199,10 +186,26 @@ def dedicate_params_ddp_tp(
 ) -> dict[nn.Parameter, int]:
     """DDP + TP (seed 002): like `dedicate_params_ddp`, with TP-sharded matrices handled by the TP gather ->
     full-matrix NS on the TP owner -> scatter path. Call after `parallelize_module`, with the DP slice."""
+    return _dedicate_ddp("dedicate_params_ddp_tp", model, mesh, predicate, allow_tp=True,
+                         hook_boundary_predicate=hook_boundary_predicate, tp_buffer_reuse=tp_buffer_reuse)
+
+
+def _dedicate_ddp(what: str, model: nn.Module, mesh: DeviceMesh, predicate: Predicate, *, allow_tp: bool,
+                  hook_boundary_predicate, tp_buffer_reuse) -> dict[nn.Parameter, int]:
+    """The DDP paths: DMuon's replicate axis is the whole DP mesh (no shard axis); owners as mesh ranks."""
     if _get_state(model) is not None:
-        raise RuntimeError("dedicate_params_ddp_tp: DMuon was already applied to this model: call it once")
+        raise RuntimeError(f"{what}: DMuon was already applied to this model: call it once")
     _check_mesh(mesh, "mesh", None)
     selected = _select(model, predicate)
+    if not allow_tp:
+        dp_names = _tp.dp_mesh_names(None, mesh)
+        for name, p in selected:
+            if _tp.tp_layout(name, p, dp_names) is not None:
+                raise ValueError(
+                    f"{what}: '{name}' is sharded by tensor parallelism; use "
+                    "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate) and dmuon.replicate_tp for TP "
+                    "models"
+                )
     owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
                        hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp",
                        tp_buffer_reuse=tp_buffer_reuse)

@@ -10,10 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """TP params replicate their local shards along DP: work on the DTensor's local tensor."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+from .param import _local_of
 
 
 class _GradSync:
@@ -35,7 +32,7 @@ class _GradSync:
         for p in self.params:  # a TP param's grad may come back Partial: give it the param's layout first
             if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [_local_of(p.grad) for p in self.params if p.grad is not None]  # TP: the local shards
         if not self.sync_grads or not grads or dist.get_world_size(self.group) == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -51,5 +48,5 @@ def replicate_params(model: nn.Module, params: list[nn.Parameter], group: dist.P
         raise RuntimeError("replicate was already called on this model")
     with torch.no_grad():  # DDP semantics: every replica starts from rank 0's values
         for p in params:
-            dist.broadcast(_local(p.data), src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(_local_of(p.data), src=dist.get_global_rank(group, 0), group=group)
     model._dmuon_replicate = _GradSync(params, group)

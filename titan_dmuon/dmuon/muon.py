@@ -143,10 +143,9 @@ class Muon(torch.optim.Optimizer):
                     ns_time += time.perf_counter() - t0
                     ns_calls += int(dp.is_tp_owner)
                 else:  # gather the update shards onto the TP owner (async, all of the group's at once)
-                    # the update may be applied after this step returns: freeze this step's lr / decay now
-                    frozen = {k: opts[k] for k in ("lr", "weight_decay", "adjust_lr_fn", "ns_steps",
-                                                   "ns_coefficients", "eps")}
-                    tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), frozen))
+                    # the update may be applied after this step returns (async): snapshot this step's
+                    # hyper-parameters now, before an lr scheduler changes the group
+                    tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), dict(opts)))
             for job, opts in tp_jobs:
                 full = job.full_update()
                 ortho = None

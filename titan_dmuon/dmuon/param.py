@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from .group import DedicatedParamGroup
 
 
+def _local_of(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The plain tensor behind `t`: a DTensor's local (TP) shard, anything else as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 @dataclass(eq=False)
 class DedicatedParam:
     """A dedicated matrix: its owner coordinates, the owner's fp32 master copy and its reduced grad.
@@ -47,12 +52,11 @@ class DedicatedParam:
     @property
     def local(self) -> torch.Tensor:
         """The plain tensor behind the param: its DTensor's local shard, or the param itself."""
-        return self.param._local_tensor if isinstance(self.param, DTensor) else self.param
+        return _local_of(self.param)
 
     @property
     def local_grad(self) -> Optional[torch.Tensor]:
-        g = self.param.grad
-        return g._local_tensor if isinstance(g, DTensor) else g
+        return _local_of(self.param.grad)
 
     @property
     def is_tp_owner(self) -> bool:
