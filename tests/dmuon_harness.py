@@ -34,7 +34,6 @@ def reference(world_size: int, steps: int):
 def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicate_async: bool = True):
     """layout: "fsdp" (1D), "hsdp" ((R, G) mesh), "ddp" (dedicate_params_ddp + replicate)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from titan_dmuon import dmuon
 
@@ -57,14 +56,28 @@ def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicat
     else:
         raise ValueError(layout)
     if fsdp_mesh is not None:
-        for layer in model.layers:
-            fully_shard(layer, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=True,
-                     weight_decay=HP["weight_decay"], ns_coefficients="muon", adjust_lr_fn="original",
-                     adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async)
-    return model, opt, owners
+        shard_blocks(model, fsdp_mesh)
+    return model, build_muon(model, replicate_async=replicate_async), owners
+
+
+def shard_blocks(model, mesh) -> None:
+    """fully_shard every block, then the root (what DMuon leaves to FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def build_muon(model, **options):
+    """dmuon.Muon with HP and the settings under which it equals the reference (torch.optim.Muon with the
+    "muon" coefficients and the "original" lr adjustment); `options` adds the rest (replicate_async, ...)."""
+    from titan_dmuon import dmuon
+
+    return dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=True,
+                      weight_decay=HP["weight_decay"], ns_coefficients="muon", adjust_lr_fn="original",
+                      adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
+                      adamw_weight_decay=HP["adamw_weight_decay"], **options)
 
 
 def check_i1_i2_i3(model, owners, layout: str) -> None:

@@ -7,12 +7,11 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import run_distributed
+from tests.dmuon_harness import HP, build_muon, shard_blocks
 from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimizers
 from tests.tiny_models import TinyLlama, apply_llama_tp, proj_predicate, seq_batch
 
 D, FF, HEADS, LAYERS, B, T, STEPS = 32, 64, 4, 2, 2, 8, 6
-HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
-          adamw_eps=1e-8, adamw_weight_decay=0.01)
 
 
 def _reference(dp_size: int, gram_for_rectangular: bool = False):
@@ -44,7 +43,6 @@ def _lr_factor(step: int) -> float:
 def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], replicate_async: bool = True,
            tp_buffer_reuse=False, tp_distributed_gram: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from titan_dmuon import dmuon
 
@@ -73,14 +71,8 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
     else:
         raise ValueError(layout)
     if fsdp_mesh is not None:
-        for layer in model.layers:
-            fully_shard(layer, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
-                     ns_coefficients="muon", adjust_lr_fn="original", adamw_lr=HP["adamw_lr"],
-                     adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-                     adamw_weight_decay=HP["adamw_weight_decay"], replicate_async=replicate_async,
-                     tp_distributed_gram=tp_distributed_gram)
+        shard_blocks(model, fsdp_mesh)
+    opt = build_muon(model, replicate_async=replicate_async, tp_distributed_gram=tp_distributed_gram)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
     dp_rank = dp_mesh.get_coordinate()
     dp_rank = dp_rank[0] if len(dp_rank) == 1 else dp_rank[0] * dp_mesh.size(1) + dp_rank[1]
