@@ -3,6 +3,7 @@
 Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed, 2 configuration error.
 """
+
 from __future__ import annotations
 
 import logging

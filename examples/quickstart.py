@@ -1,7 +1,8 @@
 """Seed 003's quick start on any machine: DMuon + FSDP2 on a TinyMLP (gloo on CPU, NCCL on GPUs).
 
-    torchrun --standalone --nproc_per_node 2 examples/quickstart.py
+torchrun --standalone --nproc_per_node 2 examples/quickstart.py
 """
+
 from __future__ import annotations
 
 import os

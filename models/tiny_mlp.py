@@ -4,6 +4,7 @@ One definition for the quick-start example, the step benchmark and the DMuon tes
 `*_proj` (the seed's Muon predicate: `"proj" in name and p.ndim == 2`); the loss is a mean, so per-rank losses
 average like one concatenated batch.
 """
+
 from __future__ import annotations
 
 import torch

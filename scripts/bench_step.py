@@ -41,6 +41,7 @@ Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank
     python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ import os
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -102,8 +103,9 @@ class NaiveFSDP2Muon(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter]):
         super().__init__([{"params": muon_params}], dict(lr=MUON_LR, momentum=MOMENTUM))
-        self.adamw = torch.optim.AdamW(adamw_params, lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS,
-                                       weight_decay=ADAMW_WD, foreach=True)
+        self.adamw = torch.optim.AdamW(
+            adamw_params, lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WD, foreach=True
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -128,11 +130,12 @@ class NaiveFSDP2Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu)
-                ortho = zeropower_via_newtonschulz(update, ns_steps=NS_STEPS, coefficients=NS_COEFFS,
-                                                   eps=NS_EPS, dtype=torch.float32)
+                ortho = zeropower_via_newtonschulz(
+                    update, ns_steps=NS_STEPS, coefficients=NS_COEFFS, eps=NS_EPS, dtype=torch.float32
+                )
                 local = p.to_local()
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                rows = ortho[offset[0]: offset[0] + shape[0]]
+                rows = ortho[offset[0] : offset[0] + shape[0]]
                 local.add_(rows.to(local.dtype), alpha=-_adjusted_lr(lr, p.shape))
         return None
 
@@ -153,11 +156,11 @@ def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
     from titan_dmuon import dmuon
 
     model = make_model(args)
-    dmuon.dedicate_params(model, mesh2d["shard"], predicate=is_muon_target,
-                          replicate_mesh=mesh2d["replicate"], reshard_after_forward=True)
+    dmuon.dedicate_params(
+        model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
+    )
     shard_all(model, mesh2d)
-    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS,
-                     replicate_async=replicate_async)
+    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS, replicate_async=replicate_async)
     return model, opt
 
 
@@ -177,8 +180,9 @@ def build_naive(mesh, args: argparse.Namespace):
 def build_adamw(mesh, args: argparse.Namespace):
     model = make_model(args)
     shard_all(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS,
-                            weight_decay=ADAMW_WD, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WD, foreach=True
+    )
     return model, opt
 
 
@@ -223,8 +227,7 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
         loss = losses[name].clone()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         mean = (sums[name] / args.steps).tolist()
-        results[name] = dict(total=mean[0], fwd=mean[1], bwd=mean[2], step=mean[3], ns=mean[4],
-                             loss=loss.item())
+        results[name] = dict(total=mean[0], fwd=mean[1], bwd=mean[2], step=mean[3], ns=mean[4], loss=loss.item())
         if name in ledgers:
             results[name].update(local_loss=losses[name], ledgers=ledgers[name])
     return results
@@ -281,13 +284,16 @@ def hsdp_checks(runs: dict, results: dict, world: int) -> dict:
     s, a = results["hsdp_sync"], results["hsdp_async"]
     same_loss = torch.equal(s["local_loss"], a["local_loss"])
     ts, ta = _flat_state(runs["hsdp_sync"][0]), _flat_state(runs["hsdp_async"][0])
-    same_state = len(ts) == len(ta) and all(torch.equal(x, y) for x, y in zip(ts, ta))
+    same_state = len(ts) == len(ta) and all(torch.equal(x, y) for x, y in zip(ts, ta, strict=True))
     flags = torch.tensor([int(same_loss), int(same_state)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     st = runs["hsdp_sync"][0]._dmuon_state
     mine = dict(
-        coord=(st.shard_rank, st.replicate_rank), shard_size=st.shard_size, replicate_size=st.replicate_size,
-        z3=st.reshard_after_forward, p_m=sum(dp.numel for dp in st.dparams),
+        coord=(st.shard_rank, st.replicate_rank),
+        shard_size=st.shard_size,
+        replicate_size=st.replicate_size,
+        z3=st.reshard_after_forward,
+        p_m=sum(dp.numel for dp in st.dparams),
         p_col=sum(dp.numel for dp in st.dparams if dp.in_owner_column),
         ledger=s["ledgers"][-1],
         steady=all(led == s["ledgers"][-1] for led in s["ledgers"]),  # the same every timed step
@@ -300,8 +306,9 @@ def hsdp_checks(runs: dict, results: dict, world: int) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -311,13 +318,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         builders: list[tuple[str, Callable]] = [("dmuon", lambda: build_dmuon(mesh, args, z3=True))]
         if args.z2:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
-        builders += [("naive_fsdp2_muon", lambda: build_naive(mesh, args)),
-                     ("fsdp2_adamw", lambda: build_adamw(mesh, args))]
+        builders += [
+            ("naive_fsdp2_muon", lambda: build_naive(mesh, args)),
+            ("fsdp2_adamw", lambda: build_adamw(mesh, args)),
+        ]
         if args.hsdp:
-            mesh2d = init_device_mesh("cpu", (args.hsdp, world // args.hsdp),
-                                      mesh_dim_names=("replicate", "shard"))
-            builders += [("hsdp_sync", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=False)),
-                         ("hsdp_async", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=True))]
+            mesh2d = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
+            builders += [
+                ("hsdp_sync", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=False)),
+                ("hsdp_async", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=True)),
+            ]
         runs = {name: build() for name, build in builders}
         load_before = os.getloadavg()[0]
         results = run_interleaved(runs, args, rank)
@@ -343,20 +353,29 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
     p_m, z3 = ranks[0]["p_m"], ranks[0]["z3"]
     s, a = results["hsdp_sync"]["loss"], results["hsdp_async"]["loss"]
     ok_bits = hsdp["loss_bitwise"] and hsdp["state_bitwise"] and s == a
-    print(f"HSDP {R}x{G} (replicate x shard) final loss, mean over ranks: sync {s!r} ({s.hex()}), "
-          f"async {a!r} ({a.hex()})")
-    print(f"  bitwise equal: final loss on every rank {'yes' if hsdp['loss_bitwise'] else 'NO'}, mean "
-          f"{'yes' if s == a else 'NO'}; final params (_owned_data + FSDP2 shards) on every rank "
-          f"{'yes' if hsdp['state_bitwise'] else 'NO'}")
-    print(f"HSDP {R}x{G} DMuon ledger, elements per rank per step (seed-004 rule: (k-1)/k*P per collective "
-          f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (theorem 3)")
+    print(
+        f"HSDP {R}x{G} (replicate x shard) final loss, mean over ranks: sync {s!r} ({s.hex()}), async {a!r} ({a.hex()})"
+    )
+    print(
+        f"  bitwise equal: final loss on every rank {'yes' if hsdp['loss_bitwise'] else 'NO'}, mean "
+        f"{'yes' if s == a else 'NO'}; final params (_owned_data + FSDP2 shards) on every rank "
+        f"{'yes' if hsdp['state_bitwise'] else 'NO'}"
+    )
+    print(
+        f"HSDP {R}x{G} DMuon ledger, elements per rank per step (seed-004 rule: (k-1)/k*P per collective "
+        f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (theorem 3)"
+    )
     kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast")
     print(f"{'rank':>4} {'(shard,rep)':>11} {'P_col':>9}" + "".join(f"{k:>27}" for k in kinds) + "  check")
     ok_all = ok_bits
     for rank, r in enumerate(ranks):
         led, p_col = r["ledger"], r["p_col"]
-        want = {"broadcast": (2 if z3 else 1) * (G - 1) / G * p_m, "reduce": (G - 1) / G * p_m,
-                "replicate_reduce": (R - 1) / R * p_col, "replicate_broadcast": (R - 1) / R * p_col}
+        want = {
+            "broadcast": (2 if z3 else 1) * (G - 1) / G * p_m,
+            "reduce": (G - 1) / G * p_m,
+            "replicate_reduce": (R - 1) / R * p_col,
+            "replicate_broadcast": (R - 1) / R * p_col,
+        }
         ok = all(math.isclose(led[k], want[k], rel_tol=1e-12, abs_tol=1e-9) for k in kinds)
         ok = ok and all(v == 0 for k, v in led.items() if k not in kinds) and r["steady"] and r["async_same"]
         ok_all = ok_all and ok
@@ -368,48 +387,67 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
         want = (R - 1) / R * p_m
         ok = len(row) == G and all(math.isclose(v, want, rel_tol=1e-12, abs_tol=1e-9) for v in sums.values())
         ok_all = ok_all and ok
-        print(f"  replicate row {row_i} ({len(row)} ranks): replicate_reduce {sums['replicate_reduce']:.0f}, "
-              f"replicate_broadcast {sums['replicate_broadcast']:.0f} ((R-1)/R*P_M = {want:.0f})  "
-              f"{'ok' if ok else 'MISMATCH'}")
+        print(
+            f"  replicate row {row_i} ({len(row)} ranks): replicate_reduce {sums['replicate_reduce']:.0f}, "
+            f"replicate_broadcast {sums['replicate_broadcast']:.0f} ((R-1)/R*P_M = {want:.0f})  "
+            f"{'ok' if ok else 'MISMATCH'}"
+        )
     steady = all(r["steady"] for r in ranks)
     same = all(r["async_same"] for r in ranks)
-    print(f"  ledger the same every timed step: {'yes' if steady else 'NO'}; async run's ledger equal to the "
-          f"sync run's, step by step: {'yes' if same else 'NO'}")
+    print(
+        f"  ledger the same every timed step: {'yes' if steady else 'NO'}; async run's ledger equal to the "
+        f"sync run's, step by step: {'yes' if same else 'NO'}"
+    )
     return ok_all
 
 
-def report(results: dict, resident: dict, load: tuple, world: int, args: argparse.Namespace,
-           hsdp: dict | None = None) -> None:
+def report(
+    results: dict, resident: dict, load: tuple, world: int, args: argparse.Namespace, hsdp: dict | None = None
+) -> None:
     ms = 1e3
-    print(f"bench_step: N={world} gloo ranks x 1 thread on {os.cpu_count()} CPUs, d={args.d} ff={args.ff} "
-          f"layers={args.layers} batch={args.batch}; {args.steps} timed steps after {args.warmup} warmup, configs "
-          f"interleaved step by step; per step max over ranks, then mean")
+    print(
+        f"bench_step: N={world} gloo ranks x 1 thread on {os.cpu_count()} CPUs, d={args.d} ff={args.ff} "
+        f"layers={args.layers} batch={args.batch}; {args.steps} timed steps after {args.warmup} warmup, configs "
+        f"interleaved step by step; per step max over ranks, then mean"
+    )
     print(f"1-min load average: {load[0]:.2f} before the steps, {load[1]:.2f} after")
-    print(f"{'config':<18}{'step ms':>10}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}{'NS ms*':>9}"
-          f"{'final loss':>13}{'resident/ideal':>16}")
+    print(
+        f"{'config':<18}{'step ms':>10}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}{'NS ms*':>9}"
+        f"{'final loss':>13}{'resident/ideal':>16}"
+    )
     for name, r in results.items():
         ns = f"{r['ns'] * ms:9.1f}" if is_dmuon(name) else f"{'-':>9}"
         res = f"{resident[name]:15.2f}x" if name in resident else f"{'-':>16}"
-        print(f"{name:<18}{r['total'] * ms:10.1f}{r['fwd'] * ms:9.1f}{r['bwd'] * ms:9.1f}{r['step'] * ms:9.1f}"
-              f"{ns}{r['loss']:13.6f}{res}")
-    print("* NS ms: DMuon's own timer of its owner-side momentum+NS+update (part of opt ms). resident/ideal "
-          "(after the last step): Muon-matrix params + momentum bytes, max over ranks / (2*4*P_M/N).")
+        print(
+            f"{name:<18}{r['total'] * ms:10.1f}{r['fwd'] * ms:9.1f}{r['bwd'] * ms:9.1f}{r['step'] * ms:9.1f}"
+            f"{ns}{r['loss']:13.6f}{res}"
+        )
+    print(
+        "* NS ms: DMuon's own timer of its owner-side momentum+NS+update (part of opt ms). resident/ideal "
+        "(after the last step): Muon-matrix params + momentum bytes, max over ranks / (2*4*P_M/N)."
+    )
     hsdp_part, hsdp_ok = "", True
     if hsdp is not None:
         R, G = args.hsdp, world // args.hsdp
-        print(f"hsdp_sync / hsdp_async: DMuon Z3 on the HSDP mesh ({R}, {G}) = (replicate, shard), "
-              f"replicate_async=False / True")
+        print(
+            f"hsdp_sync / hsdp_async: DMuon Z3 on the HSDP mesh ({R}, {G}) = (replicate, shard), "
+            f"replicate_async=False / True"
+        )
         hsdp_ok = report_hsdp(hsdp, results, args)
         hs, ha = results["hsdp_sync"]["total"], results["hsdp_async"]["total"]
-        hsdp_part = (f" | hsdp {R}x{G} sync {hs * ms:.1f} ms, async {ha * ms:.1f} ms (sync/async {hs / ha:.2f}x)"
-                     + ("" if hsdp_ok else " [HSDP CHECK FAILED]"))
+        hsdp_part = f" | hsdp {R}x{G} sync {hs * ms:.1f} ms, async {ha * ms:.1f} ms (sync/async {hs / ha:.2f}x)" + (
+            "" if hsdp_ok else " [HSDP CHECK FAILED]"
+        )
     d, n, a = results["dmuon"]["total"], results["naive_fsdp2_muon"]["total"], results["fsdp2_adamw"]["total"]
     z2 = ""
     if "dmuon_z2" in results:
         z2 = f"dmuon_z2 {results['dmuon_z2']['total'] * ms:.1f} ms, "
-    print(f"bench_step N={world} d={args.d} ff={args.ff} layers={args.layers}: dmuon {d * ms:.1f} ms, {z2}"
-          f"naive_fsdp2_muon {n * ms:.1f} ms, fsdp2_adamw {a * ms:.1f} ms | naive/dmuon {n / d:.2f}x, "
-          f"dmuon/adamw {d / a:.2f}x | dmuon Z3 resident/ideal {resident['dmuon']:.2f}x{hsdp_part}", flush=True)
+    print(
+        f"bench_step N={world} d={args.d} ff={args.ff} layers={args.layers}: dmuon {d * ms:.1f} ms, {z2}"
+        f"naive_fsdp2_muon {n * ms:.1f} ms, fsdp2_adamw {a * ms:.1f} ms | naive/dmuon {n / d:.2f}x, "
+        f"dmuon/adamw {d / a:.2f}x | dmuon Z3 resident/ideal {resident['dmuon']:.2f}x{hsdp_part}",
+        flush=True,
+    )
 
 
 def free_port() -> int:
@@ -428,8 +466,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="number of blocks (default 4)")
     p.add_argument("--batch", type=int, default=8, help="rows of input per rank (default 8)")
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")
-    p.add_argument("--hsdp", type=int, default=0, metavar="R",
-                   help="also time DMuon on the HSDP mesh (R, nproc/R), sync and async replicate publish")
+    p.add_argument(
+        "--hsdp",
+        type=int,
+        default=0,
+        metavar="R",
+        help="also time DMuon on the HSDP mesh (R, nproc/R), sync and async replicate publish",
+    )
     args = p.parse_args(argv)
     if args.nproc < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--nproc and --steps must be >= 1, --warmup >= 0")
@@ -440,8 +483,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    mp.start_processes(worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, join=True,
-                       start_method="spawn")
+    mp.start_processes(worker, args=(args.nproc, free_port(), args), nprocs=args.nproc, join=True, start_method="spawn")
 
 
 if __name__ == "__main__":

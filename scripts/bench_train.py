@@ -12,6 +12,7 @@ tokens / total time (the harmonic mean, since every step carries the same tokens
 
 Prints one summary line: `bench_train: ... dmuon X tok/s/rank, adamw Y tok/s/rank, dmuon/adamw = R`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,34 @@ def run_once(optimizer: str, args: argparse.Namespace, dump: str) -> list[float]
     """Train once; the per-step tokens/s after the warmup steps."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           os.path.join(REPO, "train.py"), "--config", args.config, "--job.dump_folder", dump,
-           "--optimizer.name", optimizer, "--model.flavor", args.flavor, "--training.steps", str(args.steps),
-           "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
-           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true", *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        os.path.join(REPO, "train.py"),
+        "--config",
+        args.config,
+        "--job.dump_folder",
+        dump,
+        "--optimizer.name",
+        optimizer,
+        "--model.flavor",
+        args.flavor,
+        "--training.steps",
+        str(args.steps),
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+        *args.extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -74,9 +98,11 @@ def main(argv=None) -> None:
             for opt in ("dmuon", "adamw"):
                 tps[opt] += run_once(opt, args, os.path.join(tmp, f"{opt}{r}"))
     d, a = combined(tps["dmuon"]), combined(tps["adamw"])
-    print(f"bench_train: {args.flavor}, {args.nproc} CPU ranks, {args.batch}x{args.seq_len} tokens/rank/step, "
-          f"steps {args.warmup + 1}-{args.steps} x {args.repeats}: dmuon {d:,.0f} tok/s/rank, "
-          f"adamw {a:,.0f} tok/s/rank, dmuon/adamw = {d / a:.3f} ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"bench_train: {args.flavor}, {args.nproc} CPU ranks, {args.batch}x{args.seq_len} tokens/rank/step, "
+        f"steps {args.warmup + 1}-{args.steps} x {args.repeats}: dmuon {d:,.0f} tok/s/rank, "
+        f"adamw {a:,.0f} tok/s/rank, dmuon/adamw = {d / a:.3f} ({time.perf_counter() - t0:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

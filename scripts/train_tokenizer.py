@@ -5,6 +5,7 @@
 The result loads with ``titan_dmuon.data.build_tokenizer(path)``; BOS/EOS are ``<|begin_of_text|>`` and
 ``<|end_of_text|>``. Only the train split is used, so validation text stays unseen.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,29 @@ logger = logging.getLogger("train_tokenizer")
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
-def train_tokenizer(*, dataset: str = "stdlib", dataset_path: str = "", dataset_field: str = "text",
-                    vocab_size: int = 4096, max_docs: int | None = None, output: str = "tokenizer.json",
-                    min_frequency: int = 2) -> str:
+def train_tokenizer(
+    *,
+    dataset: str = "stdlib",
+    dataset_path: str = "",
+    dataset_field: str = "text",
+    vocab_size: int = 4096,
+    max_docs: int | None = None,
+    output: str = "tokenizer.json",
+    min_frequency: int = 2,
+) -> str:
     """Train and write ``output`` (a ``tokenizer.json``; a directory gets one inside). Returns its path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     source = build_source(dataset, dataset_path, dataset_field)
     tok.train_from_iterator(iter_documents(source, "train", max_docs=max_docs), trainer=trainer)
     if os.path.isdir(output) or output.endswith(os.sep):
@@ -53,9 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", default="tokenizer.json")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = train_tokenizer(dataset=a.dataset, dataset_path=a.dataset_path, dataset_field=a.dataset_field,
-                           vocab_size=a.vocab_size, max_docs=a.max_docs, output=a.output,
-                           min_frequency=a.min_frequency)
+    path = train_tokenizer(
+        dataset=a.dataset,
+        dataset_path=a.dataset_path,
+        dataset_field=a.dataset_field,
+        vocab_size=a.vocab_size,
+        max_docs=a.max_docs,
+        output=a.output,
+        min_frequency=a.min_frequency,
+    )
     print(path)
 
 

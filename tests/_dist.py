@@ -3,6 +3,7 @@
 Why spawn: each rank is a fresh interpreter, exactly like torchrun; no mocked collectives.
 The target must be a module-level function (importable by the children).
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,8 @@ import pickle
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -26,8 +28,9 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
@@ -50,8 +53,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world_size, free_port(), outdir, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), outdir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         errors = []
         try:
             while not ctx.join(timeout=timeout):

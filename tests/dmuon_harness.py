@@ -1,5 +1,6 @@
 """One training harness for the DMuon distributed tests: builds the model on a 1D FSDP2, HSDP or DDP
 layout, trains it, and checks the invariants I1-I4 (seed 001 §8) on every rank as it goes."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,15 @@ from tests.reference import fp32_torch_muon, reference_optimizers
 from tests.tiny_models import TinyMLP, batch, proj_predicate
 
 D, FF, LAYERS, B = 32, 64, 4, 4  # 4 layers = 4 merged owner units: every slot of 4 ranks owns one
-HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
-          adamw_eps=1e-8, adamw_weight_decay=0.01)
+HP = dict(
+    lr=0.02,
+    momentum=0.95,
+    weight_decay=0.1,
+    adamw_lr=1e-3,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=0.01,
+)
 
 
 def reference(world_size: int, steps: int):
@@ -45,8 +53,9 @@ def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicat
         fsdp_mesh = mesh
     elif layout == "hsdp":
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-        owners = dmuon.dedicate_params(model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"],
-                                       reshard_after_forward=z3)
+        owners = dmuon.dedicate_params(
+            model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"], reshard_after_forward=z3
+        )
         fsdp_mesh = mesh
     elif layout == "ddp":
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",))
@@ -74,10 +83,20 @@ def build_muon(model, **options):
     "muon" coefficients and the "original" lr adjustment); `options` adds the rest (replicate_async, ...)."""
     from titan_dmuon import dmuon
 
-    return dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=True,
-                      weight_decay=HP["weight_decay"], ns_coefficients="muon", adjust_lr_fn="original",
-                      adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-                      adamw_weight_decay=HP["adamw_weight_decay"], **options)
+    return dmuon.Muon(
+        model,
+        lr=HP["lr"],
+        momentum=HP["momentum"],
+        nesterov=True,
+        weight_decay=HP["weight_decay"],
+        ns_coefficients="muon",
+        adjust_lr_fn="original",
+        adamw_lr=HP["adamw_lr"],
+        adamw_betas=HP["adamw_betas"],
+        adamw_eps=HP["adamw_eps"],
+        adamw_weight_decay=HP["adamw_weight_decay"],
+        **options,
+    )
 
 
 def check_i1_i2_i3(model, owners, layout: str) -> None:
@@ -109,8 +128,17 @@ def check_i4(model) -> None:
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"I4 {dp.fqn}"
 
 
-def train(rank: int, world_size: int, layout: str, mesh_shape: tuple[int, ...], steps: int = 8, *,
-          z3: bool = True, replicate_async: bool = True, check_every_step: bool = True):
+def train(
+    rank: int,
+    world_size: int,
+    layout: str,
+    mesh_shape: tuple[int, ...],
+    steps: int = 8,
+    *,
+    z3: bool = True,
+    replicate_async: bool = True,
+    check_every_step: bool = True,
+):
     from titan_dmuon import dmuon
 
     model, opt, owners = build(layout, mesh_shape, z3=z3, replicate_async=replicate_async)
@@ -132,10 +160,14 @@ def train(rank: int, world_size: int, layout: str, mesh_shape: tuple[int, ...], 
         losses.append(lt.item() / world_size)
     check_i4(model)
     return dict(
-        losses=losses, ledgers=ledgers, ns_calls=ns_calls,
-        sd=dmuon.get_model_state_dict(model), osd=dmuon.get_optimizer_state_dict(model, opt),
+        losses=losses,
+        ledgers=ledgers,
+        ns_calls=ns_calls,
+        sd=dmuon.get_model_state_dict(model),
+        osd=dmuon.get_optimizer_state_dict(model, opt),
         p_m=sum(dp.numel for dp in st.dparams),
         p_col=sum(dp.numel for dp in st.dparams if dp.in_owner_column),
-        coord=(st.shard_rank, st.replicate_rank), n_dedicated=len(st.dparams),
+        coord=(st.shard_rank, st.replicate_rank),
+        n_dedicated=len(st.dparams),
         owned=[dp.fqn for dp in dmuon.get_owned_params(model)],
     )

@@ -1,4 +1,5 @@
 """Tiny models shared by the tests (seed 003's quick-start model, each layer a module with a forward)."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -83,10 +85,21 @@ def apply_llama_tp(model: TinyLlama, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in model.layers:
-        parallelize_module(block.self_attn, tp_mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                      "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-        parallelize_module(block.mlp, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                                "down_proj": RowwiseParallel()})
+        parallelize_module(
+            block.self_attn,
+            tp_mesh,
+            {
+                "q_proj": ColwiseParallel(),
+                "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(),
+                "o_proj": RowwiseParallel(),
+            },
+        )
+        parallelize_module(
+            block.mlp,
+            tp_mesh,
+            {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+        )
 
 
 def seq_batch(step: int, rank: int, b: int, t: int, d: int) -> torch.Tensor:

@@ -61,8 +61,12 @@ def resolve_phases(cfg: LRSchedulerConfig, total_steps: int) -> tuple[int, int]:
     else:
         decay = round(total_steps * cfg.decay_ratio)
         if warmup + decay > total_steps:
-            logger.warning("warmup (%d) + decay (%d) steps exceed training steps (%d); decaying over the rest",
-                           warmup, decay, total_steps)
+            logger.warning(
+                "warmup (%d) + decay (%d) steps exceed training steps (%d); decaying over the rest",
+                warmup,
+                decay,
+                total_steps,
+            )
             decay = total_steps - warmup
     return warmup, decay
 
@@ -70,6 +74,12 @@ def resolve_phases(cfg: LRSchedulerConfig, total_steps: int) -> tuple[int, int]:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
     """LambdaLR scaling every param group's initial lr by lr_factor; call .step() after each optimizer step."""
     warmup, decay = resolve_phases(cfg, total_steps)
-    fn = functools.partial(lr_factor, warmup_steps=warmup, decay_steps=decay, total_steps=total_steps,
-                           decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
+    fn = functools.partial(
+        lr_factor,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        total_steps=total_steps,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
     return LambdaLR(optimizer, lr_lambda=fn)

@@ -160,10 +160,16 @@ class MetricsLogger:
     def format_line(step: int, scalars: dict[str, float], eta_s: float | None = None) -> str:
         """`step: 5  loss: 2.3456  grad_norm: 1.2346  lr: 1.00e-02  tps: 12,345  mfu: 35.20%  ...`."""
         parts = [f"step: {step:>4}"]
-        fmt = [("loss/train", "loss", "{:.4f}"), ("grad_norm", "grad_norm", "{:.4f}"), ("lr", "lr", "{:.2e}"),
-               ("throughput/tokens_per_sec", "tps", "{:,.0f}"), ("mfu", "mfu", "{:.2f}%"),
-               ("throughput/tflops", "tflops", "{:.3f}"), ("loss/validation", "val_loss", "{:.4f}"),
-               ("perplexity/validation", "val_ppl", "{:.2f}")]
+        fmt = [
+            ("loss/train", "loss", "{:.4f}"),
+            ("grad_norm", "grad_norm", "{:.4f}"),
+            ("lr", "lr", "{:.2e}"),
+            ("throughput/tokens_per_sec", "tps", "{:,.0f}"),
+            ("mfu", "mfu", "{:.2f}%"),
+            ("throughput/tflops", "tflops", "{:.3f}"),
+            ("loss/validation", "val_loss", "{:.4f}"),
+            ("perplexity/validation", "val_ppl", "{:.2f}"),
+        ]
         for key, label, spec in fmt:
             if key in scalars:
                 parts.append(f"{label}: {spec.format(scalars[key])}")

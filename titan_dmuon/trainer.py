@@ -10,6 +10,7 @@ Every rank runs the same steps and the same collectives; a non-finite loss or gr
 rank after the reductions) stops all ranks at the same step with `TrainingDivergedError`, before the
 optimizer step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +85,9 @@ class Trainer:
         #    before it runs; TP's distribute_tensor likewise shards materialized tensors.
         family = _import_model_family(cfg.model.name)
         try:
-            model = family.build_model(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="meta",
-                                       max_seq_len=t.seq_len)
+            model = family.build_model(
+                cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="meta", max_seq_len=t.seq_len
+            )
         except ValueError as e:
             raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: {e}") from None
         self.num_params, self.flops_per_token = family.get_nparams_and_flops(model, t.seq_len)
@@ -93,8 +95,13 @@ class Trainer:
         torch.manual_seed(self.seed)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
-        logger.info("Model %s/%s: %s params, %.3g training FLOPs/token", cfg.model.name, cfg.model.flavor,
-                    f"{self.num_params:,}", self.flops_per_token)
+        logger.info(
+            "Model %s/%s: %s params, %.3g training FLOPs/token",
+            cfg.model.name,
+            cfg.model.flavor,
+            f"{self.num_params:,}",
+            self.flops_per_token,
+        )
         # 7. Parallelize: TP -> AC -> compile -> DMuon -> FSDP2.
         self.model = parallelize(model, self.dims, self.mesh, cfg, apply_tp=getattr(family, "apply_tp", None))
         self.uses_dmuon = cfg.optimizer.name == "dmuon"
@@ -103,9 +110,17 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # 10. Data: this DP rank's windows of the packed stream (and the held-out split for validation).
         self.dataloader = build_dataloader(
-            dataset=t.dataset, dataset_path=t.dataset_path, dataset_field=t.dataset_field, tokenizer=self.tokenizer,
-            dp_rank=self.dp_rank, dp_world_size=self.dp_world_size, local_batch_size=t.local_batch_size,
-            seq_len=t.seq_len, split="train", seed=self.seed)
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            dataset_field=t.dataset_field,
+            tokenizer=self.tokenizer,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            local_batch_size=t.local_batch_size,
+            seq_len=t.seq_len,
+            split="train",
+            seed=self.seed,
+        )
         self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
         # 11. Metrics (rank 0 writes).
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps)
@@ -152,10 +167,19 @@ class Trainer:
                 raise ConfigError(f"validation.dataset_path is required for validation.dataset = {dataset!r}")
         else:  # the held-out split of the training data
             dataset, path, fraction = t.dataset, t.dataset_path, 0.02
-        return build_dataloader(dataset=dataset, dataset_path=path, dataset_field=t.dataset_field,
-                                tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
-                                local_batch_size=t.local_batch_size, seq_len=t.seq_len, split="val",
-                                seed=self.seed, val_fraction=fraction)
+        return build_dataloader(
+            dataset=dataset,
+            dataset_path=path,
+            dataset_field=t.dataset_field,
+            tokenizer=self.tokenizer,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            local_batch_size=t.local_batch_size,
+            seq_len=t.seq_len,
+            split="val",
+            seed=self.seed,
+            val_fraction=fraction,
+        )
 
     # -------------------------------------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -214,13 +238,15 @@ class Trainer:
         grad_norm = self._clip_grad_norm()
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks.
         dist.all_reduce(loss_sum)
-        loss_value, norm_value = torch.stack([loss_sum / self.world_size,
-                                              grad_norm.detach().float().to(self.device)]).tolist()
+        loss_value, norm_value = torch.stack(
+            [loss_sum / self.world_size, grad_norm.detach().float().to(self.device)]
+        ).tolist()
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDivergedError(
                 f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
                 "(non-finite); stopping before the optimizer step. Lower optimizer.lr / optimizer.adamw_lr, "
-                "raise lr_scheduler.warmup_steps or lower training.max_norm")
+                "raise lr_scheduler.warmup_steps or lower training.max_norm"
+            )
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss_value, norm_value, ntokens
@@ -246,11 +272,19 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         log_freq = cfg.metrics.log_freq
         data_iter = iter(self.dataloader)
-        logger.info("Training %d steps: global batch %d x %d tokens (local %d x %d DP ranks x %d accumulation)",
-                    t.steps, t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps, t.seq_len,
-                    t.local_batch_size, self.dp_world_size, t.gradient_accumulation_steps)
-        with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler, \
-                maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot:
+        logger.info(
+            "Training %d steps: global batch %d x %d tokens (local %d x %d DP ranks x %d accumulation)",
+            t.steps,
+            t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+            t.seq_len,
+            t.local_batch_size,
+            self.dp_world_size,
+            t.gradient_accumulation_steps,
+        )
+        with (
+            maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler,
+            maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot,
+        ):
             interval_start, interval_tokens = time.perf_counter(), 0
             while self.step < t.steps:
                 self.step += 1
@@ -269,8 +303,11 @@ class Trainer:
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, "lr": lr})
                     scalars.update(kind_lrs)
                     # Per device: TP ranks process the same tokens.
-                    scalars.update(throughput_metrics(interval_tokens / self.dims.non_dp_size, elapsed,
-                                                      self.flops_per_token, self.peak_flops))
+                    scalars.update(
+                        throughput_metrics(
+                            interval_tokens / self.dims.non_dp_size, elapsed, self.flops_per_token, self.peak_flops
+                        )
+                    )
                     scalars.update(device_memory_stats(self.device))
                     if self.uses_dmuon:
                         scalars.update({f"dmuon/{k}": float(v) for k, v in self.optimizer.last_step_stats.items()})
@@ -306,8 +343,11 @@ class Trainer:
 def set_up_logging(rank: int | None = None) -> None:
     """INFO on rank 0, WARNING elsewhere (rank from $RANK when not given)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
 
 
 __all__ = ["Trainer", "TrainingDivergedError", "set_up_logging"]

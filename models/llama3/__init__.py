@@ -1,4 +1,5 @@
 """Llama-3 model family: flavors (published Llama 3 / 3.1 / 3.2 sizes), builder, TP plan."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,16 +16,56 @@ llama3_configs: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
     # For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads (TP 2 and 4 divide it).
     "tinymodel": ModelArgs(dim=64, n_layers=2, n_heads=4, multiple_of=32, rope_theta=500000),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                    ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                    ffn_dim_multiplier=1.0, multiple_of=256, rope_theta=500000),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                    ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                     ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=LLAMA3_VOCAB_SIZE,
-                      ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_theta=500000,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000,
+    ),
 }
 
 
@@ -37,13 +78,15 @@ def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> M
     return dataclasses.replace(llama3_configs[flavor], **overrides)
 
 
-def build_model(flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta",
-                **overrides) -> Transformer:
+def build_model(
+    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
+) -> Transformer:
     """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (parallelize, then
     ``to_empty`` and ``init_weights``); on a real device it takes that same path (meta, ``to_empty``,
     ``init_weights``), so for one seed it gives the same weights as a meta-built, unsharded model.
 
-    ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``) replace ModelArgs fields.
+    ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``)
+    replace ModelArgs fields.
     """
     args = get_model_args(flavor, vocab_size, **overrides)
     with torch.device("meta"):
@@ -54,5 +97,14 @@ def build_model(flavor: str, vocab_size: int | None = None, device: torch.device
     return model
 
 
-__all__ = ["ModelArgs", "Transformer", "TransformerBlock", "llama3_configs", "get_model_args", "build_model",
-           "apply_tp", "get_nparams_and_flops", "LLAMA3_VOCAB_SIZE"]
+__all__ = [
+    "ModelArgs",
+    "Transformer",
+    "TransformerBlock",
+    "llama3_configs",
+    "get_model_args",
+    "build_model",
+    "apply_tp",
+    "get_nparams_and_flops",
+    "LLAMA3_VOCAB_SIZE",
+]

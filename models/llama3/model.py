@@ -4,6 +4,7 @@ Parallelism (TP, FSDP2, DMuon) is applied from outside by FQN: see ``parallelize
 the meta device, parallelized, materialized with ``to_empty`` and initialized with ``init_weights`` (torchtitan
 style), so nothing here may depend on parameter values at construction time.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -115,8 +116,7 @@ class Attention(nn.Module):
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -177,8 +177,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope_cache", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta),
-                             persistent=False)
+        self.register_buffer(
+            "rope_cache", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [B, L]`` (int64) -> logits ``[B, L, vocab_size]`` in the compute dtype."""
@@ -202,7 +203,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.init_weights()
         self.norm.reset_parameters()
-        std, cutoff = self.args.dim ** -0.5, 3.0
+        std, cutoff = self.args.dim**-0.5, 3.0
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
@@ -222,5 +223,14 @@ def get_nparams_and_flops(model: Transformer, seq_len: int) -> tuple[int, int]:
     return model.num_params(), model.num_flops_per_token(seq_len)
 
 
-__all__ = ["ModelArgs", "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer",
-           "precompute_rope", "apply_rope", "get_nparams_and_flops"]
+__all__ = [
+    "ModelArgs",
+    "RMSNorm",
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
+    "Transformer",
+    "precompute_rope",
+    "apply_rope",
+    "get_nparams_and_flops",
+]

@@ -1,4 +1,5 @@
 """Tensor-parallel plan for the Llama-3 model (torchtitan's plan, by FQN). No DMuon or FSDP code here."""
+
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """DMuon features on real gloo ranks: grad accumulation and no_sync, global-norm clipping, state dicts and
 restart, hook boundaries, param dtype, the FSDP2 patch, and the error messages."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,15 @@ from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimiz
 from tests.tiny_models import TinyMLP, batch, proj_predicate
 
 D, FF, LAYERS, B = 32, 64, 3, 4
-HP = dict(lr=0.02, momentum=0.95, weight_decay=0.1, adamw_lr=1e-3, adamw_betas=(0.9, 0.95),
-          adamw_eps=1e-8, adamw_weight_decay=0.01)
+HP = dict(
+    lr=0.02,
+    momentum=0.95,
+    weight_decay=0.1,
+    adamw_lr=1e-3,
+    adamw_betas=(0.9, 0.95),
+    adamw_eps=1e-8,
+    adamw_weight_decay=0.01,
+)
 
 
 def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z3=True):
@@ -24,18 +32,32 @@ def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     model = TinyMLP(D, FF, LAYERS)
-    dmuon.dedicate_params(model, mesh, proj_predicate, reshard_after_forward=z3,
-                          hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype)
+    dmuon.dedicate_params(
+        model,
+        mesh,
+        proj_predicate,
+        reshard_after_forward=z3,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=param_dtype,
+    )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype is not None else MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
-                     ns_coefficients="muon", adjust_lr_fn="original", adamw_lr=HP["adamw_lr"],
-                     adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-                     adamw_weight_decay=HP["adamw_weight_decay"])
+    opt = dmuon.Muon(
+        model,
+        lr=HP["lr"],
+        momentum=HP["momentum"],
+        weight_decay=HP["weight_decay"],
+        ns_coefficients="muon",
+        adjust_lr_fn="original",
+        adamw_lr=HP["adamw_lr"],
+        adamw_betas=HP["adamw_betas"],
+        adamw_eps=HP["adamw_eps"],
+        adamw_weight_decay=HP["adamw_weight_decay"],
+    )
     return model, opt
 
 
@@ -82,8 +104,9 @@ def _accumulate(rank: int, world_size: int, use_no_sync: bool, max_norm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_no_sync,max_norm", [(False, None), (True, None), (False, 0.05)],
-                         ids=["accumulate", "no_sync", "clip"])
+@pytest.mark.parametrize(
+    "use_no_sync,max_norm", [(False, None), (True, None), (False, 0.05)], ids=["accumulate", "no_sync", "clip"]
+)
 def test_accumulation_no_sync_and_clipping(use_no_sync, max_norm):
     results = run_distributed(_accumulate, 2, use_no_sync, max_norm)
     ref_sd, ref_norms, *_ = _reference(2, 3, micro=2, max_norm=max_norm)
@@ -121,8 +144,13 @@ def _checkpoint_restart(rank: int, world_size: int):
     assert all(torch.equal(dmuon.get_model_state_dict(model2)[k], v) for k, v in msd.items())
     resumed = train(model2, opt2, range(3, 6))
     final_resumed = dmuon.get_model_state_dict(model2)
-    return dict(msd=msd, osd=osd, straight=straight, resumed=resumed,
-                equal=all(torch.equal(final_straight[k], final_resumed[k]) for k in final_straight))
+    return dict(
+        msd=msd,
+        osd=osd,
+        straight=straight,
+        resumed=resumed,
+        equal=all(torch.equal(final_straight[k], final_resumed[k]) for k in final_straight),
+    )
 
 
 @pytest.mark.slow
@@ -157,6 +185,7 @@ def _boundaries_dtype_patch(rank: int, world_size: int):
         opt.step()
         opt.zero_grad()
     from titan_dmuon import dmuon
+
     sd_linear = dmuon.get_model_state_dict(model)
 
     model_bf, opt_bf = _build(world_size, param_dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
 """DMuon on 1D FSDP2 meshes, real gloo ranks: parity with torch.optim.Muon + AdamW, invariants, bytes."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """DMuon on HSDP (replicate × shard) and DDP, real gloo ranks: parity with torch.optim.Muon + AdamW and
 with the 1D run, sync vs async publish bitwise, invariants I1-I4, and seed 004's theorems 1 and 3."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def test_hsdp_2x2_parity_async_equals_sync_and_matches_1d():
     sync = run_distributed(train, 4, "hsdp", (2, 2), STEPS, replicate_async=False)
     flat = run_distributed(train, 4, "fsdp", (4,), STEPS)
     _assert_parity(asyn[0], ref_losses, ref_sd)
-    for a, s in zip(asyn, sync):  # async only moves the wait: bitwise the same run
+    for a, s in zip(asyn, sync, strict=True):  # async only moves the wait: bitwise the same run
         assert a["losses"] == s["losses"]
         assert all(torch.equal(a["sd"][k], s["sd"][k]) for k in a["sd"])
         for fqn, st in a["osd"]["state"].items():
@@ -84,9 +85,9 @@ def test_ddp_parity_and_identical_params(world_size):
 
 def _double_step(rank: int, world_size: int, replicate_async: bool):
     """Two step() calls with no forward between them (async publishes in flight), then train on."""
-    from titan_dmuon import dmuon
     from tests.dmuon_harness import B, D, build, check_i4
     from tests.tiny_models import batch
+    from titan_dmuon import dmuon
 
     model, opt, _ = build("hsdp", (2, 2), replicate_async=replicate_async)
     losses = []
@@ -106,6 +107,6 @@ def _double_step(rank: int, world_size: int, replicate_async: bool):
 def test_hsdp_two_steps_without_forward_drain():
     asyn = run_distributed(_double_step, 4, True)
     sync = run_distributed(_double_step, 4, False)
-    for (la, sa), (ls, ss) in zip(asyn, sync):
+    for (la, sa), (ls, ss) in zip(asyn, sync, strict=True):
         assert la == ls
         assert all(torch.equal(sa[k], ss[k]) for k in sa)

@@ -1,5 +1,6 @@
 """DMuon with tensor parallelism on real gloo ranks (seed 002): dp × tp, replicate × shard × tp and
 DDP + TP match single-process torch.optim.Muon + AdamW; TP size 1 is bitwise the plain 1D run."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,15 @@ def _lr_factor(step: int) -> float:
     return 1.0 / (1 + step)
 
 
-def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], replicate_async: bool = True,
-           tp_buffer_reuse=False, tp_distributed_gram: bool = False):
+def _train(
+    rank: int,
+    world_size: int,
+    layout: str,
+    shape: tuple[int, ...],
+    replicate_async: bool = True,
+    tp_buffer_reuse=False,
+    tp_distributed_gram: bool = False,
+):
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_dmuon import dmuon
@@ -91,13 +99,29 @@ def _train(rank: int, world_size: int, layout: str, shape: tuple[int, ...], repl
         lt = loss.detach().clone()
         dist.all_reduce(lt)
         losses.append(lt.item() / world_size)
-    owned = [dict(name=dp.param_name, local=tuple(dp._orig_size), full=tuple(dp.full_shape), shard_dim=dp.shard_dim,
-                  is_tp_owner=dp.is_tp_owner, tp_group_size=dp.tp_group.size() if dp.tp_group else 1)
-             for dp in dmuon.get_owned_params(model, rank=dist.get_rank())]
-    return dict(losses=losses, ns_calls=ns_calls, norms=norms, sd=dmuon.get_model_state_dict(model),
-                osd=dmuon.get_optimizer_state_dict(model, opt), owned=owned, tp_rank=st.tp_rank,
-                n_dedicated=len(st.dparams), ledger=dict(st.ledger.last_step),
-                p_tp=sum(dp.numel * dp.tp_group.size() for dp in st.dparams if dp.tp_group is not None))
+    owned = [
+        dict(
+            name=dp.param_name,
+            local=tuple(dp._orig_size),
+            full=tuple(dp.full_shape),
+            shard_dim=dp.shard_dim,
+            is_tp_owner=dp.is_tp_owner,
+            tp_group_size=dp.tp_group.size() if dp.tp_group else 1,
+        )
+        for dp in dmuon.get_owned_params(model, rank=dist.get_rank())
+    ]
+    return dict(
+        losses=losses,
+        ns_calls=ns_calls,
+        norms=norms,
+        sd=dmuon.get_model_state_dict(model),
+        osd=dmuon.get_optimizer_state_dict(model, opt),
+        owned=owned,
+        tp_rank=st.tp_rank,
+        n_dedicated=len(st.dparams),
+        ledger=dict(st.ledger.last_step),
+        p_tp=sum(dp.numel * dp.tp_group.size() for dp in st.dparams if dp.tp_group is not None),
+    )
 
 
 def _check_parity(results, dp_size, gram_for_rectangular: bool = False):
@@ -117,7 +141,7 @@ def test_dp2_tp2_parity_async_equals_sync_and_tp_owners_spread():
     asyn = run_distributed(_train, 4, "dp_tp", (2, 2), replicate_async=True, tp_buffer_reuse="all")
     sync = run_distributed(_train, 4, "dp_tp", (2, 2), replicate_async=False)
     _check_parity(asyn, 2)
-    for a, s in zip(asyn, sync):
+    for a, s in zip(asyn, sync, strict=True):
         assert a["losses"] == s["losses"]
         assert all(torch.equal(a["sd"][k], s["sd"][k]) for k in a["sd"])
         for fqn, st in a["osd"]["state"].items():
@@ -147,7 +171,7 @@ def test_ddp_tp_parity():
 def test_tp_size_1_is_bitwise_the_plain_run():
     tp1 = run_distributed(_train, 4, "dp_tp", (4, 1))
     plain = run_distributed(_train, 4, "plain", (4,))
-    for a, b in zip(tp1, plain):
+    for a, b in zip(tp1, plain, strict=True):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"])
 

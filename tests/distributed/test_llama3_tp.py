@@ -1,4 +1,5 @@
 """TP-applied Llama-3 (2 real gloo ranks) matches the single-process model: logits, loss and grads."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,17 @@ pytestmark = pytest.mark.slow
 
 def _tiny(n_kv_heads: int):
     torch.manual_seed(0)
-    return build_model("debugmodel", vocab_size=64, device="cpu", dim=32, n_layers=2, n_heads=4,
-                       n_kv_heads=n_kv_heads, multiple_of=16, max_seq_len=16)
+    return build_model(
+        "debugmodel",
+        vocab_size=64,
+        device="cpu",
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        multiple_of=16,
+        max_seq_len=16,
+    )
 
 
 def _loss_and_grads(model, tokens, labels):

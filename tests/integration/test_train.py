@@ -15,6 +15,7 @@ Layouts (each with DMuon once, each optimizer at least once):
   2 ranks         a diverging run (lr 1e30) stops every rank with a non-zero exit
   1 process       config errors exit 2 naming the key
 """
+
 from __future__ import annotations
 
 import math
@@ -27,15 +28,32 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
-COMMON = ["--config", "train_configs/debug_model.toml", "--model.flavor", "tinymodel", "--training.seq_len", "32",
-          "--training.steps", str(STEPS), "--training.seed", "42", "--metrics.log_freq", "1",
-          "--lr_scheduler.warmup_steps", "5"]
+COMMON = [
+    "--config",
+    "train_configs/debug_model.toml",
+    "--model.flavor",
+    "tinymodel",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    str(STEPS),
+    "--training.seed",
+    "42",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "5",
+]
+
 
 def run_train(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`python train.py` (1 process) or torchrun. A normal 8-rank run takes ~75 s here; the timeout only
     bounds a hang."""
-    launcher = [sys.executable, "train.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
+    launcher = (
+        [sys.executable, "train.py"]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(launcher + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -91,22 +109,44 @@ COMM_KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """1 process, dmuon, local batch 8 (the global batch of every run below), validation every 10 steps."""
-    return train(1, tmp_path_factory.mktemp("ref_dmuon"), "--training.local_batch_size", "8",
-                 "--validation.enable", "true", "--validation.freq", "10", "--validation.steps", "2")
+    return train(
+        1,
+        tmp_path_factory.mktemp("ref_dmuon"),
+        "--training.local_batch_size",
+        "8",
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "10",
+        "--validation.steps",
+        "2",
+    )
 
 
 @pytest.fixture(scope="module")
 def reference_adamw(tmp_path_factory):
-    return train(1, tmp_path_factory.mktemp("ref_adamw"), "--training.local_batch_size", "8",
-                 "--optimizer.name", "adamw")
+    return train(
+        1, tmp_path_factory.mktemp("ref_adamw"), "--training.local_batch_size", "8", "--optimizer.name", "adamw"
+    )
 
 
 def test_single_process_dmuon(reference) -> None:
     assert_loss_falls(reference)
     tags = set(reference)
-    expected = {"loss/train", "grad_norm", "lr", "lr/muon", "lr/adamw", "throughput/tokens_per_sec",
-                "throughput/tflops", "memory/rss_gib", "dmuon/ns_calls", "dmuon/ns_time_s",
-                "loss/validation", "perplexity/validation"}
+    expected = {
+        "loss/train",
+        "grad_norm",
+        "lr",
+        "lr/muon",
+        "lr/adamw",
+        "throughput/tokens_per_sec",
+        "throughput/tflops",
+        "memory/rss_gib",
+        "dmuon/ns_calls",
+        "dmuon/ns_time_s",
+        "loss/validation",
+        "perplexity/validation",
+    }
     expected |= {f"dmuon/{p}_{k}" for p in ("bytes", "elements") for k in COMM_KINDS}
     assert expected <= tags, sorted(expected - tags)
     # One process: every one of the 14 block matrices is owned here, and nothing moves.
@@ -146,9 +186,24 @@ def test_fsdp_4_ranks_matches_single_process(tmp_path, reference) -> None:
 def test_hsdp_2x2_activation_checkpointing_grad_accumulation(tmp_path, reference) -> None:
     """HSDP (replicate 2 x shard 2), every block checkpointed, 2 micro-batches of 1 per rank (dmuon.no_sync on
     the first): still the reference's global batch, so still the reference's losses (AC recomputes exactly)."""
-    s = train(4, tmp_path, "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "1",
-              "--training.gradient_accumulation_steps", "2", "--activation_checkpoint.mode", "full",
-              "--validation.enable", "true", "--validation.freq", "15", "--validation.steps", "2")
+    s = train(
+        4,
+        tmp_path,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--training.local_batch_size",
+        "1",
+        "--training.gradient_accumulation_steps",
+        "2",
+        "--activation_checkpoint.mode",
+        "full",
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "15",
+        "--validation.steps",
+        "2",
+    )
     assert_loss_falls(s)
     assert_same_run(s, reference)
     for kind in ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast"):
@@ -159,9 +214,20 @@ def test_hsdp_2x2_activation_checkpointing_grad_accumulation(tmp_path, reference
 @pytest.mark.slow
 def test_dp2_tp2_adamw_matches_single_process(tmp_path, reference_adamw) -> None:
     """FSDP2 x TP with AdamW (no DMuon): selective AC, grad accumulation through set_requires_gradient_sync."""
-    s = train(4, tmp_path, "--optimizer.name", "adamw", "--parallelism.tensor_parallel_degree", "2",
-              "--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "2",
-              "--activation_checkpoint.mode", "selective")
+    s = train(
+        4,
+        tmp_path,
+        "--optimizer.name",
+        "adamw",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--training.gradient_accumulation_steps",
+        "2",
+        "--activation_checkpoint.mode",
+        "selective",
+    )
     assert_loss_falls(s)
     assert_same_run(s, reference_adamw)
     assert not any(tag.startswith("dmuon/") for tag in s)
@@ -177,8 +243,16 @@ def test_dp2_tp2_dmuon_matches_single_process(tmp_path, reference) -> None:
 
 @pytest.mark.slow
 def test_3d_2x2x2_dmuon_matches_single_process(tmp_path, reference) -> None:
-    s = train(8, tmp_path, "--parallelism.data_parallel_replicate_degree", "2",
-              "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2")
+    s = train(
+        8,
+        tmp_path,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    )
     assert_loss_falls(s)
     assert_same_run(s, reference)
     for kind in ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather"):
@@ -188,15 +262,35 @@ def test_3d_2x2x2_dmuon_matches_single_process(tmp_path, reference) -> None:
 @pytest.mark.slow
 def test_compile_and_full_ac_single_process(tmp_path, reference) -> None:
     """Per-block torch.compile (of the checkpointed block bodies) under DMuon + FSDP2: same training."""
-    s = train(1, tmp_path, "--training.local_batch_size", "8", "--compile.enable", "true",
-              "--activation_checkpoint.mode", "full")
+    s = train(
+        1,
+        tmp_path,
+        "--training.local_batch_size",
+        "8",
+        "--compile.enable",
+        "true",
+        "--activation_checkpoint.mode",
+        "full",
+    )
     assert_same_run(s, reference, rtol=1e-3)  # inductor's fused kernels round differently
 
 
 @pytest.mark.slow
 def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
-    proc = run_train(2, COMMON + ["--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
-                                  "--optimizer.lr", "1e30", "--optimizer.adamw_lr", "1e30"])
+    proc = run_train(
+        2,
+        COMMON
+        + [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.local_batch_size",
+            "2",
+            "--optimizer.lr",
+            "1e30",
+            "--optimizer.adamw_lr",
+            "1e30",
+        ],
+    )
     assert proc.returncode != 0, _tail(proc)
     out = proc.stdout + proc.stderr
     assert "training diverged at step" in out and "non-finite" in out, _tail(proc)
@@ -207,12 +301,16 @@ def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- config errors
-@pytest.mark.parametrize("args,expected", [
-    (["--training.stepz", "3"], ["training.stepz"]),
-    (["--parallelism.tensor_parallel_degree", "2"], ["config error", "tensor_parallel_degree", "world size 1"]),
-    (["--model.flavor", "hugemodel"], ["config error", "model.flavor", "hugemodel"]),
-    (["--optimizer.muon_params", "^nothing$"], ["config error", "optimizer.muon_params"]),
-], ids=["unknown-flag", "degrees-vs-world-size", "unknown-flavor", "empty-muon-params"])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--training.stepz", "3"], ["training.stepz"]),
+        (["--parallelism.tensor_parallel_degree", "2"], ["config error", "tensor_parallel_degree", "world size 1"]),
+        (["--model.flavor", "hugemodel"], ["config error", "model.flavor", "hugemodel"]),
+        (["--optimizer.muon_params", "^nothing$"], ["config error", "optimizer.muon_params"]),
+    ],
+    ids=["unknown-flag", "degrees-vs-world-size", "unknown-flavor", "empty-muon-params"],
+)
 def test_config_errors_exit_nonzero_naming_the_key(tmp_path, args, expected) -> None:
     proc = run_train(1, COMMON + ["--job.dump_folder", str(tmp_path), *args], timeout=120)
     assert proc.returncode == 2, _tail(proc)
@@ -223,7 +321,7 @@ def test_config_errors_exit_nonzero_naming_the_key(tmp_path, args, expected) -> 
 
 def test_config_file_error_names_file_and_key(tmp_path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('[training]\nsteps = 3\nlocal_batch_sise = 2\n')
+    bad.write_text("[training]\nsteps = 3\nlocal_batch_sise = 2\n")
     proc = run_train(1, ["--config", str(bad)], timeout=120)
     assert proc.returncode == 2, _tail(proc)
     assert "training.local_batch_sise" in proc.stderr and str(bad) in proc.stderr, _tail(proc)

@@ -1,4 +1,5 @@
 """DMuon's byte ledger (titan_dmuon.dmuon.comm.CommLedger) and the seed-004 counting rule."""
+
 import pytest
 import torch
 
@@ -6,8 +7,15 @@ from titan_dmuon.dmuon.comm import KINDS, CommLedger, Work
 
 
 def test_kinds():
-    assert KINDS == ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter",
-                     "tp_gram")
+    assert KINDS == (
+        "broadcast",
+        "reduce",
+        "replicate_reduce",
+        "replicate_broadcast",
+        "tp_gather",
+        "tp_scatter",
+        "tp_gram",
+    )
 
 
 def test_all_reduce_counts_twice_the_share():
@@ -18,13 +26,13 @@ def test_all_reduce_counts_twice_the_share():
 
 def test_record_share_elements_and_bytes():
     led = CommLedger()
-    led.record("broadcast", 1000, 4, 2)          # 3/4 * 1000 = 750 elements, 1500 bytes (bf16)
+    led.record("broadcast", 1000, 4, 2)  # 3/4 * 1000 = 750 elements, 1500 bytes (bf16)
     assert led.current["broadcast"] == 750.0
     assert led.current_bytes["broadcast"] == 1500.0
-    led.record("broadcast", 600, 3, 4)           # + 2/3 * 600 = 400 elements, 1600 bytes (fp32)
+    led.record("broadcast", 600, 3, 4)  # + 2/3 * 600 = 400 elements, 1600 bytes (fp32)
     assert led.current["broadcast"] == pytest.approx(1150.0, abs=1e-9)
     assert led.current_bytes["broadcast"] == pytest.approx(3100.0, abs=1e-9)
-    led.record("reduce", 7, 8, 4)                # 7/8 * 7 = 6.125 elements, 24.5 bytes
+    led.record("reduce", 7, 8, 4)  # 7/8 * 7 = 6.125 elements, 24.5 bytes
     assert led.current["reduce"] == pytest.approx(6.125, abs=1e-12)
     assert led.current_bytes["reduce"] == pytest.approx(24.5, abs=1e-12)
     assert led.current["broadcast"] == pytest.approx(1150.0, abs=1e-9)  # kinds are separate
@@ -54,10 +62,24 @@ def test_end_step_moves_and_resets():
     led.end_step()
     assert set(led.last_step) == set(KINDS) and list(led.last_step) == list(KINDS)
     assert set(led.last_step_bytes) == set(KINDS)
-    assert led.last_step == {"broadcast": 700.0, "reduce": 0.0, "replicate_reduce": 50.0,
-                             "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0, "tp_gram": 0.0}
-    assert led.last_step_bytes == {"broadcast": 1400.0, "reduce": 0.0, "replicate_reduce": 200.0,
-                                   "replicate_broadcast": 0.0, "tp_gather": 0.0, "tp_scatter": 0.0, "tp_gram": 0.0}
+    assert led.last_step == {
+        "broadcast": 700.0,
+        "reduce": 0.0,
+        "replicate_reduce": 50.0,
+        "replicate_broadcast": 0.0,
+        "tp_gather": 0.0,
+        "tp_scatter": 0.0,
+        "tp_gram": 0.0,
+    }
+    assert led.last_step_bytes == {
+        "broadcast": 1400.0,
+        "reduce": 0.0,
+        "replicate_reduce": 200.0,
+        "replicate_broadcast": 0.0,
+        "tp_gather": 0.0,
+        "tp_scatter": 0.0,
+        "tp_gram": 0.0,
+    }
     assert all(isinstance(v, float) for v in led.last_step.values())
     # current is reset
     assert sum(led.current.values()) == 0.0 and sum(led.current_bytes.values()) == 0.0

@@ -37,7 +37,12 @@ def test_defaults():
     assert cfg.lr_scheduler.decay_ratio is None
     t = cfg.training
     assert (t.max_norm, t.gradient_accumulation_steps, t.seed, t.dataset, t.dataset_field) == (
-        1.0, 1, None, "stdlib", "text")
+        1.0,
+        1,
+        None,
+        "stdlib",
+        "text",
+    )
     p = cfg.parallelism
     assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree) == (1, -1, 1)
     assert (p.dmuon_reshard_after_forward, p.replicate_async, p.fsdp_reshard_after_forward) == (True, True, "default")
@@ -46,7 +51,11 @@ def test_defaults():
     assert (cfg.profiling.enable_profiling, cfg.profiling.profile_freq) == (False, 100)
     assert cfg.profiling.save_traces_folder == "profile_traces"
     assert (cfg.validation.enable, cfg.validation.freq, cfg.validation.steps, cfg.validation.dataset) == (
-        False, 100, 10, "")
+        False,
+        100,
+        10,
+        "",
+    )
 
 
 def test_every_field_has_a_docstring():
@@ -64,7 +73,9 @@ def test_every_field_has_a_docstring():
 
 
 def test_toml_load(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [training]
 steps = 7
 seed = 3
@@ -75,7 +86,8 @@ adamw_betas = [0.8, 0.99]
 [lr_scheduler]
 decay_ratio = 0.25
 decay_type = "cosine"
-""")
+""",
+    )
     cfg = load_toml(path)
     assert cfg.training.steps == 7 and cfg.training.seed == 3
     assert cfg.optimizer.name == "adamw"
@@ -96,8 +108,19 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert cfg.optimizer.adamw_betas == (0.5, 0.6)
     assert cfg.compile.enable is True
     # dashes and underscores, TOML-style and Python-style booleans
-    cfg = parse_args(["--config", path, "--training.local-batch-size", "3", "--compile.enable", "false",
-                      "--metrics.enable_tensorboard=False", "--training.seed", "None"])
+    cfg = parse_args(
+        [
+            "--config",
+            path,
+            "--training.local-batch-size",
+            "3",
+            "--compile.enable",
+            "false",
+            "--metrics.enable_tensorboard=False",
+            "--training.seed",
+            "None",
+        ]
+    )
     assert cfg.training.local_batch_size == 3
     assert cfg.compile.enable is False and cfg.metrics.enable_tensorboard is False
     assert cfg.training.seed is None

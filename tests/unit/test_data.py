@@ -1,4 +1,5 @@
 """Data pipeline: tokenizers, sources, split, packing, DP sharding, exact loader resume."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -60,8 +61,8 @@ def test_packing_is_contiguous_and_shifted(text_dir) -> None:
     n = (len(stream) - 1) // seq_len  # full windows in one epoch
     for k, (x, y) in enumerate(_windows(ds, n)):
         assert x.dtype == torch.int64 and x.shape == y.shape == (seq_len,)
-        np.testing.assert_array_equal(x.numpy(), stream[k * seq_len: k * seq_len + seq_len])
-        np.testing.assert_array_equal(y.numpy(), stream[k * seq_len + 1: k * seq_len + seq_len + 1])
+        np.testing.assert_array_equal(x.numpy(), stream[k * seq_len : k * seq_len + seq_len])
+        np.testing.assert_array_equal(y.numpy(), stream[k * seq_len + 1 : k * seq_len + seq_len + 1])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -70,8 +71,9 @@ def test_dp_sharding_disjoint_and_covering(text_dir, world: int) -> None:
     src = build_source("text", str(text_dir))
     single = PackedDataset(src, ByteTokenizer(), seq_len, split="train")
     reference = [x for x, _ in _windows(single, world * rounds)]
-    per_rank = [[x for x, _ in _windows(PackedDataset(src, ByteTokenizer(), seq_len, r, world), rounds)]
-                for r in range(world)]
+    per_rank = [
+        [x for x, _ in _windows(PackedDataset(src, ByteTokenizer(), seq_len, r, world), rounds)] for r in range(world)
+    ]
     # Window g of the global stream goes to rank g % world: disjoint, and together they cover the stream.
     for g, ref in enumerate(reference):
         assert torch.equal(per_rank[g % world][g // world], ref)
@@ -91,15 +93,25 @@ def test_val_is_finite_restartable_and_equal_across_ranks(text_dir) -> None:
         ds = PackedDataset(src, ByteTokenizer(), 4, r, 3, split="val", val_fraction=0.3)
         first, second = list(ds), list(ds)
         assert len(first) == len(second) > 0
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second))
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second, strict=True))
         counts.append(len(first))
     assert len(set(counts)) == 1
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_state_round_trip(text_dir, num_workers: int) -> None:
-    kw = dict(dataset="text", dataset_path=str(text_dir), dataset_field="", tokenizer=ByteTokenizer(),
-              dp_rank=1, dp_world_size=2, local_batch_size=3, seq_len=32, seed=7, num_workers=num_workers)
+    kw = dict(
+        dataset="text",
+        dataset_path=str(text_dir),
+        dataset_field="",
+        tokenizer=ByteTokenizer(),
+        dp_rank=1,
+        dp_world_size=2,
+        local_batch_size=3,
+        seq_len=32,
+        seed=7,
+        num_workers=num_workers,
+    )
     loader = build_dataloader(**kw)
     it = iter(loader)
     for _ in range(40):  # past one epoch of this small corpus, so the epoch counter is exercised too
@@ -164,8 +176,9 @@ def test_hf_tokenizer(tmp_path, text_dir) -> None:
     spec = importlib.util.spec_from_file_location("train_tokenizer", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    path = module.train_tokenizer(dataset="text", dataset_path=str(text_dir), vocab_size=300, max_docs=30,
-                                  output=str(tmp_path / "tok") + os.sep)
+    path = module.train_tokenizer(
+        dataset="text", dataset_path=str(text_dir), vocab_size=300, max_docs=30, output=str(tmp_path / "tok") + os.sep
+    )
     tok = build_tokenizer(os.path.dirname(path))
     assert tok.vocab_size <= 300 and {tok.bos_id, tok.eos_id} <= set(range(tok.vocab_size))
     text = "alpha beta épsilon\nzeta"

@@ -1,4 +1,5 @@
 """Hook-boundary resolution (titan_dmuon.dmuon.hooks.resolve_hook_modules)."""
+
 import re
 
 import pytest
@@ -47,7 +48,9 @@ class Tiny(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(10, d)
         blocks = [Block(d) for _ in range(n)]
-        layers = nn.ModuleList(blocks) if container == "list" else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        layers = (
+            nn.ModuleList(blocks) if container == "list" else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        )
         setattr(self, name, layers)
         self._name = name
         self.output = nn.Linear(d, 10, bias=False)
@@ -56,7 +59,7 @@ class Tiny(nn.Module):
     def forward(self, t):
         h = self.tok_embeddings(t)
         layers = getattr(self, self._name)
-        for b in (layers if isinstance(layers, nn.ModuleList) else layers.values()):
+        for b in layers if isinstance(layers, nn.ModuleList) else layers.values():
             h = b(h)
         return self.output(h @ self.root_mat)
 
@@ -77,6 +80,7 @@ def mats(model):
 # ----------------------------------------------------------------------------------------------------------
 # default heuristic
 
+
 @pytest.mark.parametrize("container", ["list", "dict"])
 def test_default_layers_n(container):
     m = Tiny(container=container)
@@ -85,9 +89,18 @@ def test_default_layers_n(container):
     assert list(got) == fqns
     assert got == {
         "tok_embeddings.weight": "tok_embeddings",
-        **{f"layers.{i}.{k}": f"layers.{i}" for i in range(3) for k in (
-            "attention.wq.weight", "attention.wk.weight", "attention.wo.weight",
-            "feed_forward.w1.weight", "feed_forward.w2.weight", "scale")},
+        **{
+            f"layers.{i}.{k}": f"layers.{i}"
+            for i in range(3)
+            for k in (
+                "attention.wq.weight",
+                "attention.wk.weight",
+                "attention.wo.weight",
+                "feed_forward.w1.weight",
+                "feed_forward.w2.weight",
+                "scale",
+            )
+        },
         "output.weight": "output",
         "root_mat": "",
     }
@@ -101,8 +114,16 @@ def test_default_blocks_n():
 
 def test_default_nested_layers():
     m = Wrapper(n=12)
-    got = resolve_hook_modules(m, ["model.layers.3.feed_forward.w1.weight", "model.layers.11.attention.wo.weight",
-                                   "model.output.weight", "model.root_mat"], None)
+    got = resolve_hook_modules(
+        m,
+        [
+            "model.layers.3.feed_forward.w1.weight",
+            "model.layers.11.attention.wo.weight",
+            "model.output.weight",
+            "model.root_mat",
+        ],
+        None,
+    )
     assert got == {
         "model.layers.3.feed_forward.w1.weight": "model.layers.3",
         "model.layers.11.attention.wo.weight": "model.layers.11",  # all digits, not "model.layers.1"
@@ -131,19 +152,26 @@ def test_default_layers_without_index_is_not_a_block():
 # ----------------------------------------------------------------------------------------------------------
 # predicate
 
+
 def test_predicate_lowest_true_ancestor():
     m = Tiny()
     fqns = ["layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight", "layers.2.scale", "output.weight"]
     got = resolve_hook_modules(m, fqns, lambda mod: isinstance(mod, (Block, Tiny)))
-    assert got == {"layers.0.attention.wq.weight": "layers.0", "layers.1.feed_forward.w2.weight": "layers.1",
-                   "layers.2.scale": "layers.2", "output.weight": ""}
+    assert got == {
+        "layers.0.attention.wq.weight": "layers.0",
+        "layers.1.feed_forward.w2.weight": "layers.1",
+        "layers.2.scale": "layers.2",
+        "output.weight": "",
+    }
     # Attention and Block both true: the lowest (Attention) wins where it is an ancestor
     got = resolve_hook_modules(m, fqns[:2], lambda mod: isinstance(mod, (Attention, Block)))
     assert got == {"layers.0.attention.wq.weight": "layers.0.attention", "layers.1.feed_forward.w2.weight": "layers.1"}
     # the param's own parent counts as an ancestor
     got = resolve_hook_modules(m, fqns[:2], lambda mod: isinstance(mod, nn.Linear))
-    assert got == {"layers.0.attention.wq.weight": "layers.0.attention.wq",
-                   "layers.1.feed_forward.w2.weight": "layers.1.feed_forward.w2"}
+    assert got == {
+        "layers.0.attention.wq.weight": "layers.0.attention.wq",
+        "layers.1.feed_forward.w2.weight": "layers.1.feed_forward.w2",
+    }
     # true only at the root
     got = resolve_hook_modules(m, fqns, lambda mod: mod is m)
     assert got == {f: "" for f in fqns}
@@ -167,6 +195,7 @@ def test_predicate_true_nowhere_names_the_param():
 
 # ----------------------------------------------------------------------------------------------------------
 # boundary modules without their own forward
+
 
 def test_bare_moduledict_layer_raises():
     # a torchtitan-shaped model whose layer is a bare ModuleDict: hooks on it would never fire

@@ -1,4 +1,5 @@
 """Llama-3 model: sizes, shapes, causality, meta-device init, GQA."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,7 +80,7 @@ def test_meta_build_to_empty_init_is_deterministic() -> None:
     assert "rope_cache" not in ref.state_dict()  # non-persistent buffer
     # depth-scaled init: deeper output projections are smaller
     assert a["layers.1.attention.wo.weight"].std() < a["layers.0.attention.wo.weight"].std()
-    assert torch.all(a["output.weight"].abs() <= 3 * 32 ** -0.5 + 1e-6)
+    assert torch.all(a["output.weight"].abs() <= 3 * 32**-0.5 + 1e-6)
 
 
 def test_gqa() -> None:

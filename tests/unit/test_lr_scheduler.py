@@ -9,8 +9,17 @@ from titan_dmuon.lr_scheduler import build_lr_scheduler, lr_factor, resolve_phas
 
 def factors(cfg, total, steps):
     warmup, decay = resolve_phases(cfg, total)
-    return [lr_factor(s, warmup_steps=warmup, decay_steps=decay, total_steps=total,
-                      decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor) for s in steps]
+    return [
+        lr_factor(
+            s,
+            warmup_steps=warmup,
+            decay_steps=decay,
+            total_steps=total,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        )
+        for s in steps
+    ]
 
 
 def test_warmup_stable_decay_linear():
@@ -22,11 +31,14 @@ def test_warmup_stable_decay_linear():
     assert got == pytest.approx(want, abs=1e-12)
 
 
-@pytest.mark.parametrize("decay_type,want", [
-    ("linear", [1.0, 0.75, 0.5, 0.25, 0.0]),
-    ("cosine", [1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]),
-    ("sqrt", [1.0, 0.5, 1 - math.sqrt(0.5), 1 - math.sqrt(0.75), 0.0]),
-])
+@pytest.mark.parametrize(
+    "decay_type,want",
+    [
+        ("linear", [1.0, 0.75, 0.5, 0.25, 0.0]),
+        ("cosine", [1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]),
+        ("sqrt", [1.0, 0.5, 1 - math.sqrt(0.5), 1 - math.sqrt(0.75), 0.0]),
+    ],
+)
 def test_decay_types(decay_type, want):
     # 10 steps, no warmup, decay over the last 3: progress 1/4, 2/4, 3/4 at steps 7, 8, 9
     cfg = LRScheduler(warmup_steps=0, decay_ratio=0.3, decay_type=decay_type, min_lr_factor=0.0)

@@ -28,12 +28,27 @@ def test_tensorboard_and_console(tmp_path, caplog):
     clock = FakeClock()
     m = MetricsLogger(Metrics(log_freq=1), str(tmp_path), rank=0, total_steps=20, clock=clock)
     rows = {
-        1: {"loss/train": 3.5, "grad_norm": 1.25, "lr": 0.01, "throughput/tokens_per_sec": 12345.0,
-            "throughput/tflops": 0.5, "memory/rss_gib": 1.5, "dmuon/bytes_broadcast": 4096.0,
-            "dmuon/ns_time_s": 0.125},
-        2: {"loss/train": 3.0, "grad_norm": 0.75, "lr": 0.02, "throughput/tokens_per_sec": 23456.0,
-            "mfu": 35.2, "memory/max_reserved_gib": 2.0, "memory/max_reserved_pct": 12.5,
-            "dmuon/bytes_broadcast": 8192.0, "dmuon/ns_time_s": 0.25},
+        1: {
+            "loss/train": 3.5,
+            "grad_norm": 1.25,
+            "lr": 0.01,
+            "throughput/tokens_per_sec": 12345.0,
+            "throughput/tflops": 0.5,
+            "memory/rss_gib": 1.5,
+            "dmuon/bytes_broadcast": 4096.0,
+            "dmuon/ns_time_s": 0.125,
+        },
+        2: {
+            "loss/train": 3.0,
+            "grad_norm": 0.75,
+            "lr": 0.02,
+            "throughput/tokens_per_sec": 23456.0,
+            "mfu": 35.2,
+            "memory/max_reserved_gib": 2.0,
+            "memory/max_reserved_pct": 12.5,
+            "dmuon/bytes_broadcast": 8192.0,
+            "dmuon/ns_time_s": 0.25,
+        },
     }
     with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
         m.log(1, rows[1])

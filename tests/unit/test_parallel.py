@@ -1,4 +1,5 @@
 """ParallelDims degrees, the Muon predicate and activation checkpointing that keeps FQNs (one process)."""
+
 from __future__ import annotations
 
 import copy
@@ -20,13 +21,16 @@ def _cfg(replicate=1, shard=-1, tp=1) -> JobConfig:
     return cfg
 
 
-@pytest.mark.parametrize("world,replicate,shard,tp,expect", [
-    (1, 1, -1, 1, (1, 1, 1)),
-    (4, 1, -1, 1, (1, 4, 1)),
-    (4, 2, -1, 1, (2, 2, 1)),
-    (4, 1, -1, 2, (1, 2, 2)),
-    (8, 2, 2, 2, (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "world,replicate,shard,tp,expect",
+    [
+        (1, 1, -1, 1, (1, 1, 1)),
+        (4, 1, -1, 1, (1, 4, 1)),
+        (4, 2, -1, 1, (2, 2, 1)),
+        (4, 1, -1, 2, (1, 2, 2)),
+        (8, 2, 2, 2, (2, 2, 2)),
+    ],
+)
 def test_parallel_dims_from_config(world, replicate, shard, tp, expect) -> None:
     dims = ParallelDims.from_config(_cfg(replicate, shard, tp), world)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == expect
@@ -47,13 +51,22 @@ def test_default_muon_predicate_selects_block_matrices_only() -> None:
     model = build_model("tinymodel", vocab_size=64)  # meta: names and shapes only
     pred = muon_predicate(DEFAULT_MUON_PARAMS)
     selected = sorted(n for n, p in model.named_parameters() if pred(n, p))
-    per_block = ["attention.wk.weight", "attention.wo.weight", "attention.wq.weight", "attention.wv.weight",
-                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"]
+    per_block = [
+        "attention.wk.weight",
+        "attention.wo.weight",
+        "attention.wq.weight",
+        "attention.wv.weight",
+        "feed_forward.w1.weight",
+        "feed_forward.w2.weight",
+        "feed_forward.w3.weight",
+    ]
     assert selected == [f"layers.{i}.{n}" for i in range(2) for n in per_block]
 
 
-@pytest.mark.parametrize("mode,expect", [("none", []), ("selective", ["layers.0", "layers.2"]),
-                                         ("full", ["layers.0", "layers.1", "layers.2"])])
+@pytest.mark.parametrize(
+    "mode,expect",
+    [("none", []), ("selective", ["layers.0", "layers.2"]), ("full", ["layers.0", "layers.1", "layers.2"])],
+)
 def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None:
     torch.manual_seed(0)
     ref = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=3, max_seq_len=16)
@@ -65,7 +78,7 @@ def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for m in (ref, model):
         F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
     # Forward hooks on a block still fire around the checkpointed body.
     calls = []

@@ -1,4 +1,5 @@
 """Global LPT partitioner (titan_dmuon.dmuon.partition) against its specification."""
+
 import random
 
 import pytest
@@ -12,9 +13,9 @@ from titan_dmuon.dmuon.partition import (
     slot_loads,
 )
 
-
 # ----------------------------------------------------------------------------------------------------------
 # helpers
+
 
 def llama3_items(dim: int, n_layers: int, n_kv_heads: int, ffn: int, head_dim: int = 128) -> list[PartitionItem]:
     """The dedicated matrices of a Llama-3 model: 7 per transformer block, as nn.Linear weights (out, in)."""
@@ -49,8 +50,9 @@ def reference_lpt(items, num_slots, ns_steps=5, threshold=SMALL_PARAM_THRESHOLD)
             units.append((ns_cost(it.shape, ns_steps), it.name, it.layer, [it.name]))
     for layer, members in small.items():
         members = sorted(members, key=lambda m: m.name)
-        units.append((sum(ns_cost(m.shape, ns_steps) for m in members), members[0].name, layer,
-                      [m.name for m in members]))
+        units.append(
+            (sum(ns_cost(m.shape, ns_steps) for m in members), members[0].name, layer, [m.name for m in members])
+        )
     units.sort(key=lambda u: (-u[0], u[1]))
     loads = [0.0] * num_slots
     layers = [set() for _ in range(num_slots)]
@@ -86,18 +88,22 @@ def lower_bound(items, num_slots, ns_steps=5):
 # ----------------------------------------------------------------------------------------------------------
 # cost model
 
+
 def test_threshold_constant():
     assert SMALL_PARAM_THRESHOLD == 5_000_000
     assert partition.SMALL_PARAM_THRESHOLD == 5_000_000
 
 
-@pytest.mark.parametrize("shape,steps,want", [
-    ((4, 10), 5, 5 * 16 * (20 + 4)),          # wide: s=4, l=10
-    ((10, 4), 5, 5 * 16 * (20 + 4)),          # tall: same as its transpose
-    ((7, 7), 3, 3 * 49 * (14 + 7)),           # square
-    ((1, 1000), 1, 1 * 1 * (2000 + 1)),
-    ((4096, 14336), 5, 5 * 4096**2 * (2 * 14336 + 4096)),
-])
+@pytest.mark.parametrize(
+    "shape,steps,want",
+    [
+        ((4, 10), 5, 5 * 16 * (20 + 4)),  # wide: s=4, l=10
+        ((10, 4), 5, 5 * 16 * (20 + 4)),  # tall: same as its transpose
+        ((7, 7), 3, 3 * 49 * (14 + 7)),  # square
+        ((1, 1000), 1, 1 * 1 * (2000 + 1)),
+        ((4096, 14336), 5, 5 * 4096**2 * (2 * 14336 + 4096)),
+    ],
+)
 def test_ns_cost(shape, steps, want):
     assert ns_cost(shape, steps) == float(want)
     assert isinstance(ns_cost(shape, steps), float)
@@ -109,6 +115,7 @@ def test_ns_cost_default_steps_is_5():
 
 # ----------------------------------------------------------------------------------------------------------
 # LPT semantics on hand-checked examples
+
 
 def test_lpt_hand_example_one_layer_per_item():
     # distinct layers (no spreading constraint), big enough to stay separate units (threshold 1)
@@ -147,8 +154,8 @@ def test_layer_on_every_slot_falls_back_to_least_loaded_overall():
     # 3 units of one layer on 2 slots: the third goes to the least loaded slot
     items = [
         PartitionItem("a", (1, 100), "L"),  # 201 -> 0
-        PartitionItem("b", (1, 60), "L"),   # 121 -> 1
-        PartitionItem("c", (1, 10), "L"),   # 21  -> every slot has L -> least loaded overall = 1
+        PartitionItem("b", (1, 60), "L"),  # 121 -> 1
+        PartitionItem("c", (1, 10), "L"),  # 21  -> every slot has L -> least loaded overall = 1
     ]
     got = compute_balanced_assignment(items, 2, ns_steps=1, small_param_threshold=1)
     assert got == {"a": 0, "b": 1, "c": 1}
@@ -189,7 +196,7 @@ def test_small_params_of_one_layer_share_one_slot():
     for layer in range(6):
         items += [
             PartitionItem(f"layers.{layer}.wq", (3000, 3000), f"layers.{layer}"),  # 9M: large
-            PartitionItem(f"layers.{layer}.wk", (256, 3000), f"layers.{layer}"),   # 768k: small
+            PartitionItem(f"layers.{layer}.wk", (256, 3000), f"layers.{layer}"),  # 768k: small
             PartitionItem(f"layers.{layer}.wv", (256, 3000), f"layers.{layer}"),
             PartitionItem(f"layers.{layer}.norm", (1, 3000), f"layers.{layer}"),
             PartitionItem(f"layers.{layer}.gate", (64, 64), f"layers.{layer}"),
@@ -252,6 +259,7 @@ def test_single_slot_and_errors():
 # ----------------------------------------------------------------------------------------------------------
 # determinism
 
+
 @pytest.mark.parametrize("flavor,slots", [(LLAMA3_8B, 8), (LLAMA3_8B, 64), (LLAMA3_70B, 64)])
 def test_deterministic_and_order_independent(flavor, slots):
     items = llama3_items(**flavor)
@@ -286,6 +294,7 @@ def test_matches_reference_lpt_on_random_inputs():
 # ----------------------------------------------------------------------------------------------------------
 # slot_loads
 
+
 def test_slot_loads_sums():
     items = [PartitionItem("a", (2, 3), "L"), PartitionItem("b", (4, 4), "L"), PartitionItem("c", (5, 1), "M")]
     assignment = {"a": 1, "b": 1, "c": 0}
@@ -301,6 +310,7 @@ def test_slot_loads_sums():
 # ----------------------------------------------------------------------------------------------------------
 # balance on Llama-3 shapes
 
+
 def _balance(flavor, slots):
     items = llama3_items(**flavor)
     got = compute_balanced_assignment(items, slots)
@@ -309,8 +319,9 @@ def _balance(flavor, slots):
     return items, got, loads, mean
 
 
-@pytest.mark.parametrize("flavor,slots", [(LLAMA3_8B, 8), (LLAMA3_70B, 8), (LLAMA3_70B, 64)],
-                         ids=["8B-8", "70B-8", "70B-64"])
+@pytest.mark.parametrize(
+    "flavor,slots", [(LLAMA3_8B, 8), (LLAMA3_70B, 8), (LLAMA3_70B, 64)], ids=["8B-8", "70B-8", "70B-64"]
+)
 def test_llama3_balance(flavor, slots):
     items, got, loads, mean = _balance(flavor, slots)
     assert len(items) == 7 * flavor["n_layers"]

@@ -26,7 +26,24 @@ from titan_dmuon.config.manager import (
 )
 
 __all__ = [
-    "ActivationCheckpoint", "Compile", "ConfigError", "ConfigManager", "Job", "JobConfig", "LRScheduler",
-    "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation", "config_from_dict",
-    "load_toml", "parse_args", "parse_args_or_exit", "validate_config", "validate_parallelism",
+    "ActivationCheckpoint",
+    "Compile",
+    "ConfigError",
+    "ConfigManager",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallelism",
+    "Profiling",
+    "Training",
+    "Validation",
+    "config_from_dict",
+    "load_toml",
+    "parse_args",
+    "parse_args_or_exit",
+    "validate_config",
+    "validate_parallelism",
 ]

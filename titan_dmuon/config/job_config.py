@@ -33,7 +33,9 @@ class Model:
 @dataclass
 class Optimizer:
     name: Literal["dmuon", "adamw"] = "dmuon"
-    """Optimizer: "dmuon" = Muon on the params matched by muon_params (each updated by one owner rank) and AdamW on the rest. "adamw": plain AdamW on every param with the adamw_* settings (lr, momentum and ns_* unused)."""
+    """Optimizer: "dmuon" = Muon on the params matched by muon_params (each updated by one owner rank) and AdamW on the
+    rest. "adamw": plain AdamW on every param with the adamw_* settings (lr, momentum and ns_* unused).
+    """
     lr: float = 0.02
     """Muon learning rate (before adjust_lr_fn scaling and the lr schedule)."""
     momentum: float = 0.95
@@ -49,7 +51,9 @@ class Optimizer:
     eps: float = 1e-7
     """Added to the Frobenius norm before Newton-Schulz normalizes the update."""
     adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)), lets Muon reuse AdamW lrs) or "original" (sqrt(max(1, rows/cols)))."""
+    """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)), lets Muon reuse AdamW lrs) or "original"
+    (sqrt(max(1, rows/cols))).
+    """
     adamw_lr: float = 1e-3
     """AdamW learning rate of the non-Muon params (embeddings, norms, output), and of all params for name="adamw"."""
     adamw_betas: tuple[float, float] = (0.9, 0.95)
@@ -61,7 +65,9 @@ class Optimizer:
     ns_dtype: Literal["", "float32", "bfloat16"] = ""
     """Newton-Schulz precision; empty keeps the library default (float32 on CPU, bfloat16 on CUDA)."""
     tp_distributed_gram: bool = False
-    """With tensor parallelism, compute the Newton-Schulz Gram matrix across the TP ranks instead of gathering the full matrix on the TP owner."""
+    """With tensor parallelism, compute the Newton-Schulz Gram matrix across the TP ranks instead of gathering the full
+    matrix on the TP owner.
+    """
     muon_params: str = DEFAULT_MUON_PARAMS
     """Regex over parameter FQNs (as in model.named_parameters()) selecting the Muon params; others use AdamW."""
 
@@ -71,7 +77,9 @@ class LRScheduler:
     warmup_steps: int = 200
     """Steps of linear warmup; the factor goes (step+1)/(warmup_steps+1), so it starts near 0, not at 0."""
     decay_ratio: float | None = None
-    """Fraction of training.steps spent decaying at the end; the steps between warmup and decay keep the full lr. Unset (None) decays over every step after warmup."""
+    """Fraction of training.steps spent decaying at the end; the steps between warmup and decay keep the full lr. Unset
+    (None) decays over every step after warmup.
+    """
     decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
     """Decay shape: linear, cosine (half period) or sqrt (1 - sqrt(progress))."""
     min_lr_factor: float = 0.0
@@ -99,7 +107,9 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower), for bit-reproducible runs."""
     dataset: Literal["stdlib", "text", "jsonl", "parquet"] = "stdlib"
-    """Dataset kind: "stdlib" = the embedded default corpus (Python standard library sources, works offline); "text", "jsonl", "parquet": files at dataset_path."""
+    """Dataset kind: "stdlib" = the embedded default corpus (Python standard library sources, works offline); "text",
+    "jsonl", "parquet": files at dataset_path.
+    """
     dataset_path: str = ""
     """File, folder or glob of the dataset files (unused for "stdlib")."""
     dataset_field: str = "text"
@@ -115,17 +125,23 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (the innermost mesh axis)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2)."""
+    """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed
+    again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2).
+    """
     dmuon_reshard_after_forward: bool = True
     """Free the gathered DMuon (dedicated) params after forward and gather them again for backward."""
     replicate_async: bool = True
-    """With HSDP, publish the updated DMuon params over the replicate axis asynchronously (overlapped with the next forward) instead of before the step returns."""
+    """With HSDP, publish the updated DMuon params over the replicate axis asynchronously (overlapped with the next
+    forward) instead of before the step returns.
+    """
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
-    """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other block: layers 0, 2, 4, ...) or "full" (every block)."""
+    """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other
+    block: layers 0, 2, 4, ...) or "full" (every block).
+    """
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             return False, value
-        pairs = [_coerce(v, a) for v, a in zip(value, args)]
+        pairs = [_coerce(v, a) for v, a in zip(value, args, strict=True)]
         return all(ok for ok, _ in pairs), tuple(v for _, v in pairs)
     raise TypeError(f"unsupported config field type {tp!r}")
 
@@ -115,7 +115,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
         if section not in sections:
             hint = _closest(section, list(sections))
             msg = f"unknown section [{section}]{where}"
-            raise ConfigError(msg + (f"; did you mean [{hint}]?" if hint else f"; valid sections: {', '.join(sections)}"))
+            raise ConfigError(
+                msg + (f"; did you mean [{hint}]?" if hint else f"; valid sections: {', '.join(sections)}")
+            )
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}]{where} must be a table of keys, got {table!r}")
         fields = _fields(sections[section])
@@ -170,54 +172,77 @@ def validate_config(cfg: JobConfig) -> JobConfig:
             _check(_coerce(value, tp)[0], _bad_value_message(f"{section}.{key}", value, tp, ""))
 
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
-    for key, value in [("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),
-                       ("training.steps", t.steps), ("training.gradient_accumulation_steps",
-                       t.gradient_accumulation_steps), ("optimizer.ns_steps", o.ns_steps),
-                       ("metrics.log_freq", cfg.metrics.log_freq), ("profiling.profile_freq",
-                       cfg.profiling.profile_freq), ("validation.freq", cfg.validation.freq),
-                       ("validation.steps", cfg.validation.steps),
-                       ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
-                       ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree)]:
+    for key, value in [
+        ("training.local_batch_size", t.local_batch_size),
+        ("training.seq_len", t.seq_len),
+        ("training.steps", t.steps),
+        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
+        ("optimizer.ns_steps", o.ns_steps),
+        ("metrics.log_freq", cfg.metrics.log_freq),
+        ("profiling.profile_freq", cfg.profiling.profile_freq),
+        ("validation.freq", cfg.validation.freq),
+        ("validation.steps", cfg.validation.steps),
+        ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+    ]:
         _check(value >= 1, f"{key} must be >= 1, got {value}")
-    _check(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-           f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}")
-    for key, value in [("optimizer.lr", o.lr), ("optimizer.adamw_lr", o.adamw_lr), ("optimizer.eps", o.eps),
-                       ("optimizer.adamw_eps", o.adamw_eps), ("optimizer.weight_decay", o.weight_decay),
-                       ("optimizer.adamw_weight_decay", o.adamw_weight_decay),
-                       ("training.max_norm", t.max_norm), ("lr_scheduler.warmup_steps", s.warmup_steps)]:
+    _check(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}",
+    )
+    for key, value in [
+        ("optimizer.lr", o.lr),
+        ("optimizer.adamw_lr", o.adamw_lr),
+        ("optimizer.eps", o.eps),
+        ("optimizer.adamw_eps", o.adamw_eps),
+        ("optimizer.weight_decay", o.weight_decay),
+        ("optimizer.adamw_weight_decay", o.adamw_weight_decay),
+        ("training.max_norm", t.max_norm),
+        ("lr_scheduler.warmup_steps", s.warmup_steps),
+    ]:
         _check(value >= 0, f"{key} must be >= 0, got {value}")
     _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
     _check(all(0 <= b < 1 for b in o.adamw_betas), f"optimizer.adamw_betas must be in [0, 1), got {o.adamw_betas}")
-    _check(s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
-           f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}")
+    _check(
+        s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+        f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}",
+    )
     _check(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
     try:
         re.compile(o.muon_params)
     except re.error as e:
         raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {o.muon_params!r}") from None
-    _check(t.dataset == "stdlib" or bool(t.dataset_path),
-           f"training.dataset_path is required for training.dataset = {t.dataset!r}")
+    _check(
+        t.dataset == "stdlib" or bool(t.dataset_path),
+        f"training.dataset_path is required for training.dataset = {t.dataset!r}",
+    )
     return cfg
 
 
 def validate_parallelism(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
     """(replicate, shard, tp) degrees for this world size, resolving shard = -1 to the remaining ranks."""
     p = cfg.parallelism
-    dp_replicate, dp_shard, tp = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree
+    dp_replicate, dp_shard, tp = (
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+    )
     if dp_shard == -1:
         rest, remainder = divmod(world_size, dp_replicate * tp)
         if remainder or rest == 0:
             raise ConfigError(
                 f"parallelism.data_parallel_shard_degree = -1 cannot be resolved: world size {world_size} is not "
                 f"divisible by data_parallel_replicate_degree ({dp_replicate}) x tensor_parallel_degree ({tp}) "
-                f"= {dp_replicate * tp}")
+                f"= {dp_replicate * tp}"
+            )
         dp_shard = rest
     product = dp_replicate * dp_shard * tp
     if product != world_size:
         raise ConfigError(
             f"parallelism degrees do not match the world size: data_parallel_replicate_degree ({dp_replicate}) x "
             f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) = {product}, "
-            f"but the world size is {world_size}")
+            f"but the world size is {world_size}"
+        )
     return dp_replicate, dp_shard, tp
 
 
@@ -273,8 +298,7 @@ class ConfigManager:
         argv = list(sys.argv[1:] if argv is None else argv)
         self.config_path, rest = _split_config_flag(argv)
         base = load_toml(self.config_path) if self.config_path else JobConfig()
-        cfg = tyro.cli(JobConfig, default=base, args=_normalize_bools(rest),
-                       config=(tyro.conf.FlagConversionOff,))
+        cfg = tyro.cli(JobConfig, default=base, args=_normalize_bools(rest), config=(tyro.conf.FlagConversionOff,))
         self.config = validate_config(cfg)
         return self.config
 

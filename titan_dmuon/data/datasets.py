@@ -7,6 +7,7 @@ windows share one token, so every token is a label exactly once). Global window 
 stream position after a full round, so it is the same on every DP rank. Documents are read and tokenized
 lazily, one at a time.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -15,8 +16,9 @@ import logging
 import os
 import sysconfig
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -212,8 +214,9 @@ def split_mask(source: DocumentSource, split: str, val_fraction: float = 0.02) -
     return mask
 
 
-def iter_documents(source: DocumentSource, split: str = "train", val_fraction: float = 0.02,
-                   max_docs: int | None = None) -> Iterator[str]:
+def iter_documents(
+    source: DocumentSource, split: str = "train", val_fraction: float = 0.02, max_docs: int | None = None
+) -> Iterator[str]:
     """The split's document texts in source order (e.g. for tokenizer training)."""
     mask = split_mask(source, split, val_fraction)
     for n, i in enumerate(np.flatnonzero(mask)):
@@ -239,8 +242,18 @@ class PackedDataset(IterableDataset):
     position, so torchdata's ``StatefulDataLoader`` resumes exactly. Training loops over epochs forever;
     validation is one pass that restarts on every ``iter`` and ends on a full round (equal counts per rank)."""
 
-    def __init__(self, source: DocumentSource, tokenizer, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
-                 split: str = "train", seed: int = 0, shuffle: bool | None = None, val_fraction: float = 0.02):
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        split: str = "train",
+        seed: int = 0,
+        shuffle: bool | None = None,
+        val_fraction: float = 0.02,
+    ):
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_world_size})")
         if seq_len < 1:
@@ -295,9 +308,9 @@ class PackedDataset(IterableDataset):
                         buf = np.concatenate([buf, toks[offset:]])
                         doc_pos, offset = doc_pos + 1, 0
                         break
-                    window = np.concatenate([buf, toks[offset:offset + need]])
+                    window = np.concatenate([buf, toks[offset : offset + need]])
                     offset += need
-                    buf = window[self.seq_len:]
+                    buf = window[self.seq_len :]
                     yield window, StreamPosition(epoch, doc_pos, offset, buf.tolist())
             if not self.infinite:
                 return

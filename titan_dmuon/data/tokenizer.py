@@ -1,4 +1,5 @@
 """Tokenizers: a file-free byte tokenizer (the offline default) and a wrapper over a HF ``tokenizer.json``."""
+
 from __future__ import annotations
 
 import logging
@@ -31,7 +32,7 @@ class ByteTokenizer:
         """The tokens as an int64 array (the data pipeline's fast path)."""
         body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         out = np.empty(len(body) + bos + eos, dtype=np.int64)
-        out[int(bos): int(bos) + len(body)] = body
+        out[int(bos) : int(bos) + len(body)] = body
         if bos:
             out[0] = self.bos_id
         if eos:

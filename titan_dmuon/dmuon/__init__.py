@@ -1,11 +1,12 @@
 """DMuon: distributed Muon by dedicated ownership (public API; importing installs the FSDP2 patch).
 
-    from titan_dmuon import dmuon
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
-    for layer in model.layers: fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
+from titan_dmuon import dmuon
+dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+for layer in model.layers: fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
 """
+
 from __future__ import annotations
 
 import contextlib

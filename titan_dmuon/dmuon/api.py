@@ -1,7 +1,8 @@
 """Entry points that hand Muon-target matrices to dedicated owners (call after TP, before fully_shard)."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,10 @@ from .param import DedicatedParam, _local_of
 from .partition import PartitionItem, compute_balanced_assignment
 
 Predicate = Callable[[str, nn.Parameter], bool]
-Owner = Union[int, tuple[int, int]]
+Owner = int | tuple[int, int]
 
 
-def _get_state(model: nn.Module) -> Optional[DMuonState]:
+def _get_state(model: nn.Module) -> DMuonState | None:
     return getattr(model, "_dmuon_state", None)
 
 
@@ -71,11 +72,11 @@ def dedicate_params(
     mesh: DeviceMesh,
     predicate: Predicate,
     *,
-    replicate_mesh: Optional[DeviceMesh] = None,
+    replicate_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
-    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
-    param_dtype: Optional[torch.dtype] = None,
-    tp_buffer_reuse: Union[bool, str] = False,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    param_dtype: torch.dtype | None = None,
+    tp_buffer_reuse: bool | str = False,
 ) -> dict[nn.Parameter, Owner]:
     """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
 
@@ -91,18 +92,42 @@ def dedicate_params(
     if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
         raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
     selected = _select(model, predicate)
-    return _dedicate(model, selected, mesh, replicate_mesh, reshard_after_forward=reshard_after_forward,
-                     hook_boundary_predicate=hook_boundary_predicate, param_dtype=param_dtype, mode="fsdp",
-                     tp_buffer_reuse=tp_buffer_reuse)
+    return _dedicate(
+        model,
+        selected,
+        mesh,
+        replicate_mesh,
+        reshard_after_forward=reshard_after_forward,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=param_dtype,
+        mode="fsdp",
+        tp_buffer_reuse=tp_buffer_reuse,
+    )
 
 
-def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, hook_boundary_predicate,
-              param_dtype, mode, tp_buffer_reuse=False) -> dict[nn.Parameter, Owner]:
+def _dedicate(
+    model,
+    selected,
+    mesh,
+    replicate_mesh,
+    *,
+    reshard_after_forward,
+    hook_boundary_predicate,
+    param_dtype,
+    mode,
+    tp_buffer_reuse=False,
+) -> dict[nn.Parameter, Owner]:
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
     tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
-    state = DMuonState(shard_mesh=mesh, replicate_mesh=replicate_mesh, reshard_after_forward=reshard_after_forward,
-                       mode=mode, tp_rank=next(iter(tp_ranks), 0), tp_buffer_reuse=tp_buffer_reuse)
+    state = DMuonState(
+        shard_mesh=mesh,
+        replicate_mesh=replicate_mesh,
+        reshard_after_forward=reshard_after_forward,
+        mode=mode,
+        tp_rank=next(iter(tp_ranks), 0),
+        tp_buffer_reuse=tp_buffer_reuse,
+    )
     G, R = state.shard_size, state.replicate_size
     hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
     items = [PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None) for n, p in selected]
@@ -113,9 +138,16 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     for name, p in selected:
         slot, lay = slots[name], layouts[name]
         local = _local_of(p)
-        dp = DedicatedParam(fqn=name, param=p, owner_shard=slot % G, owner_replicate=slot // G,
-                            shard_rank=state.shard_rank, replicate_rank=state.replicate_rank,
-                            full_shape=p.shape, _orig_size=local.shape)
+        dp = DedicatedParam(
+            fqn=name,
+            param=p,
+            owner_shard=slot % G,
+            owner_replicate=slot // G,
+            shard_rank=state.shard_rank,
+            replicate_rank=state.replicate_rank,
+            full_shape=p.shape,
+            _orig_size=local.shape,
+        )
         if lay is not None:
             dp.shard_dim, dp.tp_group, dp.tp_rank, dp.tp_owner = lay.shard_dim, lay.group, lay.rank, tp_owner[name]
         if mode == "ddp" and local.dtype == torch.float32:
@@ -132,8 +164,9 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     for fqn in sorted(by_module, key=lambda f: module_order[f]):
         dps = by_module[fqn]
         dtype = param_dtype or dps[0].local.dtype
-        group = DedicatedParamGroup(state, len(state.groups), fqn, model.get_submodule(fqn), dps,
-                                    dtype, dps[0].local.device)
+        group = DedicatedParamGroup(
+            state, len(state.groups), fqn, model.get_submodule(fqn), dps, dtype, dps[0].local.device
+        )
         group.register_hooks()
         state.groups.append(group)
     model._dmuon_state = state
@@ -145,8 +178,9 @@ def _dedicate(model, selected, mesh, replicate_mesh, *, reshard_after_forward, h
     return {dp.param: dp.owner_rank for dp in state.dparams}
 
 
-def _assign_tp_owners(items: list[PartitionItem], slots: dict[str, int],
-                      layouts: dict[str, Optional["_tp.TPLayout"]]) -> dict[str, int]:
+def _assign_tp_owners(
+    items: list[PartitionItem], slots: dict[str, int], layouts: dict[str, _tp.TPLayout | None]
+) -> dict[str, int]:
     """TP owner of each TP-sharded param: LPT over the TP ranks inside each DP owner's bucket, so the
     full-matrix NS work of one DP owner spreads over its TP group."""
     buckets: dict[int, list[PartitionItem]] = {}
@@ -165,15 +199,22 @@ def dedicate_params_ddp(
     mesh: DeviceMesh,
     predicate: Predicate,
     *,
-    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
 ) -> dict[nn.Parameter, int]:
     """DDP path (seed 004 theorem 1): every rank keeps the live full param; each grad is averaged onto
     its owner, only the owner runs NS, and after the step the owner broadcasts the updated param.
 
     Use `replicate(model, mesh)` for the other params. Returns each dedicated param's owner rank in `mesh`.
     """
-    return _dedicate_ddp("dedicate_params_ddp", model, mesh, predicate, allow_tp=False,
-                         hook_boundary_predicate=hook_boundary_predicate, tp_buffer_reuse=False)
+    return _dedicate_ddp(
+        "dedicate_params_ddp",
+        model,
+        mesh,
+        predicate,
+        allow_tp=False,
+        hook_boundary_predicate=hook_boundary_predicate,
+        tp_buffer_reuse=False,
+    )
 
 
 def dedicate_params_ddp_tp(
@@ -181,17 +222,32 @@ def dedicate_params_ddp_tp(
     mesh: DeviceMesh,
     predicate: Predicate,
     *,
-    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
-    tp_buffer_reuse: Union[bool, str] = False,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    tp_buffer_reuse: bool | str = False,
 ) -> dict[nn.Parameter, int]:
     """DDP + TP (seed 002): like `dedicate_params_ddp`, with TP-sharded matrices handled by the TP gather ->
     full-matrix NS on the TP owner -> scatter path. Call after `parallelize_module`, with the DP slice."""
-    return _dedicate_ddp("dedicate_params_ddp_tp", model, mesh, predicate, allow_tp=True,
-                         hook_boundary_predicate=hook_boundary_predicate, tp_buffer_reuse=tp_buffer_reuse)
+    return _dedicate_ddp(
+        "dedicate_params_ddp_tp",
+        model,
+        mesh,
+        predicate,
+        allow_tp=True,
+        hook_boundary_predicate=hook_boundary_predicate,
+        tp_buffer_reuse=tp_buffer_reuse,
+    )
 
 
-def _dedicate_ddp(what: str, model: nn.Module, mesh: DeviceMesh, predicate: Predicate, *, allow_tp: bool,
-                  hook_boundary_predicate, tp_buffer_reuse) -> dict[nn.Parameter, int]:
+def _dedicate_ddp(
+    what: str,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Predicate,
+    *,
+    allow_tp: bool,
+    hook_boundary_predicate,
+    tp_buffer_reuse,
+) -> dict[nn.Parameter, int]:
     """The DDP paths: DMuon's replicate axis is the whole DP mesh (no shard axis); owners as mesh ranks."""
     if _get_state(model) is not None:
         raise RuntimeError(f"{what}: DMuon was already applied to this model: call it once")
@@ -206,9 +262,17 @@ def _dedicate_ddp(what: str, model: nn.Module, mesh: DeviceMesh, predicate: Pred
                     "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate) and dmuon.replicate_tp for TP "
                     "models"
                 )
-    owners = _dedicate(model, selected, None, mesh, reshard_after_forward=False,
-                       hook_boundary_predicate=hook_boundary_predicate, param_dtype=None, mode="ddp",
-                       tp_buffer_reuse=tp_buffer_reuse)
+    owners = _dedicate(
+        model,
+        selected,
+        None,
+        mesh,
+        reshard_after_forward=False,
+        hook_boundary_predicate=hook_boundary_predicate,
+        param_dtype=None,
+        mode="ddp",
+        tp_buffer_reuse=tp_buffer_reuse,
+    )
     return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
 
 
@@ -229,7 +293,7 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def get_owned_params(model: nn.Module, rank: Optional[int] = None) -> list[DedicatedParam]:
+def get_owned_params(model: nn.Module, rank: int | None = None) -> list[DedicatedParam]:
     """The dedicated params whose global owner is `rank` (default: this process's global rank)."""
     state = _require_state(model, "get_owned_params")
     rank = dist.get_rank() if rank is None else rank

@@ -4,6 +4,7 @@ Getters drain pending async publishes first, then assemble full tensors on every
 matrix comes from its owner (broadcast), an FSDP2/TP DTensor through `full_tensor()`. Setters take
 the same full dicts and keep only what each rank holds.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .api import _require_state
 from . import tp as _tp
+from .api import _require_state
 from .param import DedicatedParam
 
 
@@ -28,8 +29,11 @@ def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None, *, on_
     global owner alone, on every rank: replicate-axis broadcast to the column, shard-axis broadcast to
     each row, TP all-gather. Collectives follow the group order every rank shares."""
     holder = dp.in_owner_column if on_column else dp.is_owner
-    out = tensor.detach().float().clone() if holder else torch.empty(
-        dp._orig_size, dtype=torch.float32, device=dp.local.device)
+    out = (
+        tensor.detach().float().clone()
+        if holder
+        else torch.empty(dp._orig_size, dtype=torch.float32, device=dp.local.device)
+    )
     if not on_column and state.replicate_group is not None and dp.in_owner_column:
         dist.broadcast(out, src=state.replicate_global_rank(dp.owner_replicate), group=state.replicate_group)
     if state.shard_group is not None:
@@ -66,8 +70,10 @@ def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
         for fqn, t in current.items():
             full = sd[fqn]
             if tuple(full.shape) != tuple(t.shape):
-                raise ValueError(f"set_model_state_dict: '{fqn}' has shape {tuple(full.shape)}, the model "
-                                 f"expects {tuple(t.shape)} (a checkpoint from another model config?)")
+                raise ValueError(
+                    f"set_model_state_dict: '{fqn}' has shape {tuple(full.shape)}, the model "
+                    f"expects {tuple(t.shape)} (a checkpoint from another model config?)"
+                )
             dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
             if dp is not None:
                 if dp.in_owner_column:
@@ -85,10 +91,12 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
     state.drain_publish()
     names = {p: n for n, p in model.named_parameters()}
     # which dedicated params have a momentum buffer yet (it lives on the owners only): one all-reduce
-    has = torch.tensor([int(dp.is_owner and "momentum_buffer" in optimizer.state.get(dp.param, {}))
-                        for dp in state.dparams], dtype=torch.int64)
+    has = torch.tensor(
+        [int(dp.is_owner and "momentum_buffer" in optimizer.state.get(dp.param, {})) for dp in state.dparams],
+        dtype=torch.int64,
+    )
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    has_momentum = {dp.param for dp, h in zip(state.dparams, has.tolist()) if h}
+    has_momentum = {dp.param for dp, h in zip(state.dparams, has.tolist(), strict=True) if h}
     out_state: dict[str, dict[str, Any]] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -102,9 +110,12 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
                     buf = optimizer.state[p]["momentum_buffer"] if dp.is_owner else None
                     out_state[fqn] = {"momentum_buffer": _owner_tensor(state, dp, buf, on_column=False)}
             elif optimizer.state.get(p):
-                out_state[fqn] = {k: _full(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else
-                                  (v.clone() if isinstance(v, torch.Tensor) else v)
-                                  for k, v in optimizer.state[p].items()}
+                out_state[fqn] = {
+                    k: _full(v)
+                    if isinstance(v, torch.Tensor) and v.ndim > 0
+                    else (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in optimizer.state[p].items()
+                }
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
     return {"state": out_state, "param_groups": groups}
 
@@ -114,9 +125,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     state.drain_publish()
     params = dict(model.named_parameters())
     if len(sd["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"set_optimizer_state_dict: the checkpoint has {len(sd['param_groups'])} param groups, "
-                         f"the optimizer {len(optimizer.param_groups)}")
-    for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
+        raise ValueError(
+            f"set_optimizer_state_dict: the checkpoint has {len(sd['param_groups'])} param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
+    for group, saved in zip(optimizer.param_groups, sd["param_groups"], strict=True):
         mine = [n for n, p in params.items() if any(p is q for q in group["params"])]
         if sorted(mine) != sorted(saved["params"]):
             raise ValueError("set_optimizer_state_dict: param groups differ from the checkpoint's")
@@ -130,5 +143,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                 full = entry["momentum_buffer"].to(device=dp.local.device, dtype=torch.float32)
                 optimizer.state[p] = {"momentum_buffer": _tp.shard_of_full(full, dp).clone()}
             continue
-        optimizer.state[p] = {k: (_local_like(v, p) if isinstance(v, torch.Tensor) and v.ndim > 0 else
-                                  (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in entry.items()}
+        optimizer.state[p] = {
+            k: (
+                _local_like(v, p)
+                if isinstance(v, torch.Tensor) and v.ndim > 0
+                else (v.clone() if isinstance(v, torch.Tensor) else v)
+            )
+            for k, v in entry.items()
+        }

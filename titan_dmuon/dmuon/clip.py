@@ -1,7 +1,6 @@
 """One global grad norm over DMuon's owner grads and FSDP2's sharded grads."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,9 @@ def _dtensor_sq_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor
     return total
 
 
-def clip_grad_norm_(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip every grad of `model` by one global L2 norm; returns that norm (same value on every rank).
 
     Dedicated matrices count once, on their global owner (`_reduced_grad`); FSDP2/TP grads count through

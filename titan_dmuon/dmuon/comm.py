@@ -5,11 +5,12 @@ no coalesced broadcast/reduce, so each op is issued async and the batch is a lis
 op is recorded in a `CommLedger` the way seed 004 counts: a broadcast/reduce/gather/scatter of P elements
 over N ranks moves (N-1)/N·P elements per rank.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ class Work:
         for w in works:
             w.wait()
 
-    def merge(self, other: "Work") -> "Work":
+    def merge(self, other: Work) -> Work:
         return Work(self._works + other._works)
 
     def is_pending(self) -> bool:
@@ -72,8 +73,13 @@ def _coalesce(group: dist.ProcessGroup, device: torch.device, issue) -> Work:
     return Work(issue(async_op=True))
 
 
-def _rooted_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
-                      ledger: CommLedger | None, kind: str, op) -> Work:
+def _rooted_coalesced(
+    tensors: Sequence[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup | None,
+    ledger: CommLedger | None,
+    kind: str,
+    op,
+) -> Work:
     """Issue `op(tensor, root, group, async_op)` for each (tensor, root global rank) as one coalesced batch,
     recording each in the ledger. `group=None` stands for a group of this rank alone (DDP's shard axis): a
     no-op, like any 1-rank group."""
@@ -90,22 +96,29 @@ def _rooted_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.P
     return _coalesce(group, tensors[0][0].device, issue)
 
 
-def broadcast_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
-                        ledger: CommLedger | None, kind: str) -> Work:
+def broadcast_coalesced(
+    tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None, ledger: CommLedger | None, kind: str
+) -> Work:
     """Broadcast each (tensor, src global rank) over `group`; one coalesced call."""
-    return _rooted_coalesced(tensors, group, ledger, kind,
-                             lambda t, src, g, a: dist.broadcast(t, src=src, group=g, async_op=a))
+    return _rooted_coalesced(
+        tensors, group, ledger, kind, lambda t, src, g, a: dist.broadcast(t, src=src, group=g, async_op=a)
+    )
 
 
-def reduce_coalesced(tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None,
-                     ledger: CommLedger | None, kind: str) -> Work:
+def reduce_coalesced(
+    tensors: Sequence[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None, ledger: CommLedger | None, kind: str
+) -> Work:
     """Average each (tensor, dst global rank) over `group` onto dst; one coalesced call.
 
     gloo leaves partial sums in the non-destination buffers: callers must not read them afterwards.
     """
-    return _rooted_coalesced(tensors, group, ledger, kind,
-                             lambda t, dst, g, a: dist.reduce(t, dst=dst, op=dist.ReduceOp.AVG, group=g,
-                                                              async_op=a))
+    return _rooted_coalesced(
+        tensors,
+        group,
+        ledger,
+        kind,
+        lambda t, dst, g, a: dist.reduce(t, dst=dst, op=dist.ReduceOp.AVG, group=g, async_op=a),
+    )
 
 
 def group_rank_to_global(group: dist.ProcessGroup, group_rank: int) -> int:

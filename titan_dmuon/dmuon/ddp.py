@@ -3,6 +3,7 @@
 The grads are packed into one flat buffer and all-reduced (AVG) once at the end of backward: one
 coalesced collective per step, which is what DDP's bucketing amounts to for small models.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,7 @@ class _GradSync:
         dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

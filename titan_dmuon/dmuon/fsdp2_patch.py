@@ -3,6 +3,7 @@
 The patch wraps one private FSDP2 function, `_fsdp_init._get_managed_states`, adding every param that
 carries `_dedicated_owner_rank` to `ignored_params`. FSDP2 and DMuon then manage disjoint param sets.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,10 @@ def install_patch() -> None:
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_init
     except ImportError as e:  # pragma: no cover - depends on the torch build
-        raise ImportError(f"titan_dmuon.dmuon needs FSDP2 (torch.distributed.fsdp._fully_shard); "
-                          f"torch {torch.__version__} has none: install torch 2.13") from e
+        raise ImportError(
+            f"titan_dmuon.dmuon needs FSDP2 (torch.distributed.fsdp._fully_shard); "
+            f"torch {torch.__version__} has none: install torch 2.13"
+        ) from e
     original = getattr(_fsdp_init, "_get_managed_states", None)
     if original is None:
         raise ImportError(

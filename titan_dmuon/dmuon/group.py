@@ -6,6 +6,7 @@ pre-backward (an autograd function on the outputs) → unshard again under Z3 �
 (post-accumulate-grad hook) → when the group's last grad lands: pack, reduce (average) to the owners,
 free the buffer → end of backward (engine callback): finish the reduces, owners keep `_reduced_grad`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,16 @@ def _alloc_storage(t: torch.Tensor) -> None:
 class DedicatedParamGroup:
     """Params sharing one hook module; packed buffer laid out by (owner_shard, owner_replicate, fqn)."""
 
-    def __init__(self, state: "DMuonState", index: int, module_fqn: str, module: nn.Module,
-                 dparams: list[DedicatedParam], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        state: DMuonState,
+        index: int,
+        module_fqn: str,
+        module: nn.Module,
+        dparams: list[DedicatedParam],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.state = state
         self.index = index
         self.module_fqn = module_fqn
@@ -61,7 +70,7 @@ class DedicatedParamGroup:
         self.buffer = torch.empty(0 if self.live else self.numel, dtype=dtype, device=device)
         if not self.live:
             for dp in self.params:
-                dp.local.data = self.buffer[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
+                dp.local.data = self.buffer[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
             _free_storage(self.buffer)
         self.unsharded = self.live
         self._unshard_work: Work | None = None
@@ -92,7 +101,7 @@ class DedicatedParamGroup:
         st = self.state
         for dp in self.params:
             if dp.in_owner_column:  # this row's sender for that owner
-                self.buffer[dp.offset: dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
+                self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
         ops = [(self.buffer[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
         self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")
         self.unsharded = True
@@ -138,7 +147,7 @@ class DedicatedParamGroup:
         if st.sync_grads:
             gbuf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             for dp in self.params:
-                dst = gbuf[dp.offset: dp.offset + dp.numel]
+                dst = gbuf[dp.offset : dp.offset + dp.numel]
                 grad = dp.local_grad
                 if grad is None:
                     dst.zero_()
@@ -155,7 +164,7 @@ class DedicatedParamGroup:
         """After both stages: the global owner accumulates its slice into `_reduced_grad` (fp32)."""
         for dp in self.params:
             if dp.is_owner:
-                g = gbuf[dp.offset: dp.offset + dp.numel].view(dp._orig_size)
+                g = gbuf[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
                 if dp._reduced_grad is None:
                     dp._reduced_grad = g.to(torch.float32, copy=True)
                 else:
@@ -212,8 +221,16 @@ def _register_pre_backward(group: DedicatedParamGroup, output: Any) -> Any:
 class DMuonState:
     """Per-model DMuon state: meshes, groups in forward order, the reduce pipeline, the ledger."""
 
-    def __init__(self, *, shard_mesh, replicate_mesh, reshard_after_forward: bool, mode: str = "fsdp",
-                 tp_rank: int = 0, tp_buffer_reuse=False):
+    def __init__(
+        self,
+        *,
+        shard_mesh,
+        replicate_mesh,
+        reshard_after_forward: bool,
+        mode: str = "fsdp",
+        tp_rank: int = 0,
+        tp_buffer_reuse=False,
+    ):
         self.shard_mesh = shard_mesh
         self.replicate_mesh = replicate_mesh
         # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
@@ -226,8 +243,13 @@ class DMuonState:
         self.reshard_after_forward = reshard_after_forward
         self.mode = mode
         self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
-        kinds = {False: (), True: ("gather", "scatter"), "all": ("gather", "scatter"),
-                 "gather": ("gather",), "scatter": ("scatter",)}[tp_buffer_reuse]
+        kinds = {
+            False: (),
+            True: ("gather", "scatter"),
+            "all": ("gather", "scatter"),
+            "gather": ("gather",),
+            "scatter": ("scatter",),
+        }[tp_buffer_reuse]
         self.tp_buffers = {"kinds": kinds, "store": {}} if kinds else None
         self.groups: list[DedicatedParamGroup] = []
         self.dparams: list[DedicatedParam] = []

@@ -4,10 +4,11 @@ Default: the `layers.N` / `blocks.N` ancestor of each dedicated param (one packe
 else the param's parent module. An explicit `hook_boundary_predicate(module)` picks the lowest ancestor
 for which it is true, mirroring `fully_shard(module)`.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 

@@ -4,12 +4,14 @@ Only the global owner of a matrix runs momentum, Newton-Schulz and the update, o
 the update follows `torch.optim.Muon` exactly (EMA momentum, Nesterov, decoupled weight decay, lr scaled
 by the full matrix shape). The AdamW half is `torch.optim.AdamW`'s own functional kernel.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -17,14 +19,13 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from . import replicate_axis as _replicate
 from . import tp as _tp
-from .api import _require_state
 from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
 
 _MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """torch.optim.Muon's lr scaling, on the full logical matrix shape."""
     a, b = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
@@ -52,13 +53,13 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_coefficients: Coefficients = "polar_express",
         eps: float = 1e-7,
-        adjust_lr_fn: Optional[str] = "match_rms_adamw",
+        adjust_lr_fn: str | None = "match_rms_adamw",
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
-        param_groups: Optional[Sequence[dict[str, Any]]] = None,
-        ns_dtype: Optional[torch.dtype] = None,
+        param_groups: Sequence[dict[str, Any]] | None = None,
+        ns_dtype: torch.dtype | None = None,
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
     ):
@@ -75,11 +76,17 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.replicate_async = replicate_async
         self.tp_distributed_gram = tp_distributed_gram
-        muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                             ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps,
-                             adjust_lr_fn=adjust_lr_fn)
-        adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                              weight_decay=adamw_weight_decay)
+        muon_defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
         super().__init__(groups, {})
         self.last_step_stats: dict[str, float] = {}
@@ -168,9 +175,12 @@ class Muon(torch.optim.Optimizer):
         if not self.replicate_async:
             st.drain_publish()
         st.ledger.end_step()
-        self.last_step_stats = {"ns_calls": float(ns_calls), "ns_time_s": ns_time,
-                                **{f"elements_{k}": v for k, v in st.ledger.last_step.items()},
-                                **{f"bytes_{k}": v for k, v in st.ledger.last_step_bytes.items()}}
+        self.last_step_stats = {
+            "ns_calls": float(ns_calls),
+            "ns_time_s": ns_time,
+            **{f"elements_{k}": v for k, v in st.ledger.last_step.items()},
+            **{f"bytes_{k}": v for k, v in st.ledger.last_step_bytes.items()},
+        }
         return loss
 
     def _momentum(self, dp, opts: dict) -> torch.Tensor:
@@ -188,11 +198,19 @@ class Muon(torch.optim.Optimizer):
         """NS of a full matrix, or (TP distributed Gram) of this rank's block of `tp_gram_of`'s matrix."""
         extra = {}
         if tp_gram_of is not None:
-            extra = dict(formulation="gram", full_shape=tp_gram_of.full_shape,
-                         reduce_gram=functools.partial(_tp.all_reduce_gram, tp_gram_of, self._state.ledger))
-        return zeropower_via_newtonschulz(update, ns_steps=opts["ns_steps"], coefficients=opts["ns_coefficients"],
-                                          eps=opts["eps"], dtype=self.ns_dtype or default_ns_dtype(update.device),
-                                          **extra)
+            extra = dict(
+                formulation="gram",
+                full_shape=tp_gram_of.full_shape,
+                reduce_gram=functools.partial(_tp.all_reduce_gram, tp_gram_of, self._state.ledger),
+            )
+        return zeropower_via_newtonschulz(
+            update,
+            ns_steps=opts["ns_steps"],
+            coefficients=opts["ns_coefficients"],
+            eps=opts["eps"],
+            dtype=self.ns_dtype or default_ns_dtype(update.device),
+            **extra,
+        )
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -212,9 +230,22 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        _adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, amsgrad=False,
-                          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                          eps=group["eps"], maximize=False)
+        _adamw_functional(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
 def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:

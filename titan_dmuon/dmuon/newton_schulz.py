@@ -3,13 +3,14 @@
 Why one function: every path (1D, HSDP, DDP, TP) must run bitwise the same iteration, so the optimizer calls
 only `zeropower_via_newtonschulz` and the formulation/backend is a parameter, never a second implementation.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 
-Coefficients = Union[str, tuple[float, float, float], Sequence[tuple[float, float, float]]]
+Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
 
 # Keller Jordan's quintic, the one torch.optim.Muon uses (repeated every step).
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -26,9 +27,9 @@ _POLAR_EXPRESS_RAW = (
     (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
     (1.875, -1.25, 0.375),
 )
-POLAR_EXPRESS_COEFFICIENTS = tuple(
-    (a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]
-) + (_POLAR_EXPRESS_RAW[-1],)
+POLAR_EXPRESS_COEFFICIENTS = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]) + (
+    _POLAR_EXPRESS_RAW[-1],
+)
 
 # Polar Express normalizes with a 1% cushion so that the spectral norm is safely below 1.
 _NORM_CUSHION = {"polar_express": 1.01, "muon": 1.0}
@@ -71,8 +72,8 @@ def zeropower_via_newtonschulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     formulation: str = "direct",
-    full_shape: Optional[Sequence[int]] = None,
-    reduce_gram: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    full_shape: Sequence[int] | None = None,
+    reduce_gram: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Approximate the orthogonal polar factor U Vᵀ of a 2D matrix with `ns_steps` quintic iterations.
 
@@ -125,9 +126,9 @@ def zeropower_via_newtonschulz(
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
-    """Matmul FLOPs of the direct formulation on an (m, n) matrix (s = short side, l = long side)."""
-    s, l = sorted(shape[:2])
-    return 2.0 * ns_steps * (2 * s * s * l + s * s * s)
+    """Matmul FLOPs of the direct formulation on an (m, n) matrix (s = short side, long = long side)."""
+    s, long = sorted(shape[:2])
+    return 2.0 * ns_steps * (2 * s * s * long + s * s * s)
 
 
 def get_ns_backend() -> str:

@@ -1,8 +1,9 @@
 """DedicatedParam: one Muon-target matrix and everything DMuon knows about it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from .group import DedicatedParamGroup
 
 
-def _local_of(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _local_of(t: torch.Tensor | None) -> torch.Tensor | None:
     """The plain tensor behind `t`: a DTensor's local (TP) shard, anything else as it is."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -34,13 +35,13 @@ class DedicatedParam:
     shard_rank: int
     replicate_rank: int
     full_shape: torch.Size
-    group: Optional["DedicatedParamGroup"] = None
+    group: DedicatedParamGroup | None = None
     offset: int = 0  # into the group's packed buffer
-    _owned_data: Optional[torch.Tensor] = None
-    _reduced_grad: Optional[torch.Tensor] = None
+    _owned_data: torch.Tensor | None = None
+    _reduced_grad: torch.Tensor | None = None
     # Tensor parallelism (None / 0 when the param is not TP-sharded).
-    shard_dim: Optional[int] = None
-    tp_group: Optional[dist.ProcessGroup] = None
+    shard_dim: int | None = None
+    tp_group: dist.ProcessGroup | None = None
     tp_rank: int = 0
     tp_owner: int = 0  # TP rank that runs this matrix's full NS
     _orig_size: torch.Size = field(default_factory=lambda: torch.Size())  # local (TP shard) shape
@@ -55,7 +56,7 @@ class DedicatedParam:
         return _local_of(self.param)
 
     @property
-    def local_grad(self) -> Optional[torch.Tensor]:
+    def local_grad(self) -> torch.Tensor | None:
         return _local_of(self.param.grad)
 
     @property
@@ -68,7 +69,7 @@ class DedicatedParam:
         return self._orig_size.numel()
 
     @property
-    def owner_rank(self) -> Union[int, tuple[int, int]]:
+    def owner_rank(self) -> int | tuple[int, int]:
         """`int` shard rank in 1D, `(shard, replicate)` under HSDP."""
         if self.group is not None and self.group.state.replicate_size > 1:
             return (self.owner_shard, self.owner_replicate)

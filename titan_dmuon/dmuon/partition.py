@@ -3,11 +3,12 @@
 Global, not per module: a per-layer LPT with 7 matrices on 8 ranks leaves one rank idle in every layer,
 while the global view can hand that rank the layers where it happens to be lightest.
 """
+
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Matrices below this many elements in one layer share one owner and one packed broadcast.
 SMALL_PARAM_THRESHOLD = 5_000_000
@@ -25,8 +26,8 @@ class PartitionItem:
 
 def ns_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
     """NS work of an s×l matrix (s the short side): ns_steps·s²·(2l+s)."""
-    s, l = sorted(int(d) for d in shape[:2])
-    return float(ns_steps) * s * s * (2 * l + s)
+    s, long = sorted(int(d) for d in shape[:2])
+    return float(ns_steps) * s * s * (2 * long + s)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -87,8 +88,9 @@ def compute_balanced_assignment(
     return assignment
 
 
-def slot_loads(items: Sequence[PartitionItem], assignment: dict[str, int], num_slots: int,
-               ns_steps: int = 5) -> list[float]:
+def slot_loads(
+    items: Sequence[PartitionItem], assignment: dict[str, int], num_slots: int, ns_steps: int = 5
+) -> list[float]:
     """NS cost per slot under an assignment (for balance reports and tests)."""
     loads = [0.0] * num_slots
     for it in items:

@@ -4,9 +4,11 @@ Stage 2 averages, over the replicate group (a shard column), the row averages th
 row's column member, onto the global owner: net divisor G·R. The publish broadcasts the global owner's
 updated `_owned_data` to its column peers (I4) so every row's next shard broadcast sends the same weights.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,22 +19,28 @@ if TYPE_CHECKING:
     from .param import DedicatedParam
 
 
-def reduce_replicate(group: "DedicatedParamGroup", gbuf: torch.Tensor) -> Work:
+def reduce_replicate(group: DedicatedParamGroup, gbuf: torch.Tensor) -> Work:
     """Average this column's slice of `gbuf` over the replicate group onto each param's global owner."""
     st = group.state
     if st.replicate_group is None:
         return Work()
-    ops = [(gbuf[s:e], st.replicate_global_rank(rep))
-           for (shard, rep), (s, e) in group.owner_segments.items() if shard == st.shard_rank]
+    ops = [
+        (gbuf[s:e], st.replicate_global_rank(rep))
+        for (shard, rep), (s, e) in group.owner_segments.items()
+        if shard == st.shard_rank
+    ]
     return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
 
 
-def publish(group: "DedicatedParamGroup", params: Optional[Sequence["DedicatedParam"]] = None) -> Work:
+def publish(group: DedicatedParamGroup, params: Sequence[DedicatedParam] | None = None) -> Work:
     """Broadcast the updated `_owned_data` of this column's params (default: all of the group's) from
     their global owners (async)."""
     st = group.state
     if st.replicate_group is None:
         return Work()
-    ops = [(dp._owned_data, st.replicate_global_rank(dp.owner_replicate))
-           for dp in (group.params if params is None else params) if dp.in_owner_column]
+    ops = [
+        (dp._owned_data, st.replicate_global_rank(dp.owner_replicate))
+        for dp in (group.params if params is None else params)
+        if dp.in_owner_column
+    ]
     return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")

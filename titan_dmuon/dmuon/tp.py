@@ -6,10 +6,10 @@ ranks of its TP group gather the (momentum-applied) update shards onto the param
 the same full-matrix Newton-Schulz as every other path and scatters the orthogonalized shards back.
 Momentum, weight decay and the update stay elementwise on the shards (lr scaled by the full shape).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ class TPLayout:
     shard_dim: int
 
 
-def dp_mesh_names(shard_mesh: Optional[DeviceMesh], replicate_mesh: Optional[DeviceMesh]) -> set[str]:
+def dp_mesh_names(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | None) -> set[str]:
     names: set[str] = set()
     for m in (shard_mesh, replicate_mesh):
         if m is not None and m.mesh_dim_names:
@@ -35,7 +35,7 @@ def dp_mesh_names(shard_mesh: Optional[DeviceMesh], replicate_mesh: Optional[Dev
     return names
 
 
-def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> Optional[TPLayout]:
+def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> TPLayout | None:
     """The TP layout of a dedicated param, or None when it is not TP-sharded (TP size 1 included)."""
     if not isinstance(p, DTensor):
         return None
@@ -58,15 +58,17 @@ def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> Optional[TPLayo
     mesh_dim, shard_dim = found[0]
     size = mesh.size(mesh_dim)
     if p.shape[shard_dim] % size:
-        raise ValueError(f"'{name}' has {p.shape[shard_dim]} entries on its TP-sharded dim {shard_dim}, not "
-                         f"divisible by the TP size {size}: DMuon needs even TP shards")
+        raise ValueError(
+            f"'{name}' has {p.shape[shard_dim]} entries on its TP-sharded dim {shard_dim}, not "
+            f"divisible by the TP size {size}: DMuon needs even TP shards"
+        )
     return TPLayout(mesh.get_group(mesh_dim), size, mesh.get_local_rank(mesh_dim), shard_dim)
 
 
 class TPUpdate:
     """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group."""
 
-    def __init__(self, dp, update_local: torch.Tensor, ledger: CommLedger, buffers: Optional[dict]):
+    def __init__(self, dp, update_local: torch.Tensor, ledger: CommLedger, buffers: dict | None):
         self.dp = dp
         self.buffers = buffers  # reused scratch when tp_buffer_reuse asks for it
         size = dp.tp_group.size()
@@ -75,10 +77,11 @@ class TPUpdate:
         src = update_local.contiguous()
         self.gathered = [self._scratch("gather", i, src) for i in range(size)] if dp.is_tp_owner else None
         ledger.record("tp_gather", self.full_numel, size, src.element_size())
-        self._work = Work([dist.gather(src, gather_list=self.gathered, dst=self.owner_global,
-                                       group=dp.tp_group, async_op=True)])
+        self._work = Work(
+            [dist.gather(src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True)]
+        )
         self._ledger = ledger
-        self.out_local: Optional[torch.Tensor] = None
+        self.out_local: torch.Tensor | None = None
 
     def _scratch(self, kind: str, i: int, like: torch.Tensor) -> torch.Tensor:
         if self.buffers is None or kind not in self.buffers["kinds"]:
@@ -89,14 +92,14 @@ class TPUpdate:
             buf = self.buffers["store"][key] = torch.empty_like(like)
         return buf
 
-    def full_update(self) -> Optional[torch.Tensor]:
+    def full_update(self) -> torch.Tensor | None:
         """Wait for the gather; on the TP owner return the full (m, n) update matrix."""
         self._work.wait()
         if not self.dp.is_tp_owner:
             return None
         return torch.cat(self.gathered, dim=self.dp.shard_dim)
 
-    def scatter(self, ortho_full: Optional[torch.Tensor], like: torch.Tensor) -> None:
+    def scatter(self, ortho_full: torch.Tensor | None, like: torch.Tensor) -> None:
         """Send each TP rank its shard of the orthogonalized update (async)."""
         dp = self.dp
         self.out_local = self._scratch("scatter", -1, like)
@@ -104,8 +107,9 @@ class TPUpdate:
         if dp.is_tp_owner:
             chunks = [c.contiguous() for c in ortho_full.to(like.dtype).chunk(dp.tp_group.size(), dim=dp.shard_dim)]
         self._ledger.record("tp_scatter", self.full_numel, dp.tp_group.size(), like.element_size())
-        self._work = Work([dist.scatter(self.out_local, scatter_list=chunks, src=self.owner_global,
-                                        group=dp.tp_group, async_op=True)])
+        self._work = Work(
+            [dist.scatter(self.out_local, scatter_list=chunks, src=self.owner_global, group=dp.tp_group, async_op=True)]
+        )
 
     def wait(self) -> torch.Tensor:
         self._work.wait()

@@ -11,6 +11,7 @@ which degrees happen to be > 1, and a size-1 dim costs one trivial process group
     dims.fsdp_mesh(mesh)         -> fully_shard: mesh["replicate", "shard"] (HSDP) or mesh["shard"]
     dims.dp_coordinates(mesh)    -> (dp_rank, dp_world_size) for the data loader (TP ranks share data)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,11 +37,13 @@ class ParallelDims:
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
         if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            raise ValueError(f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) "
-                             f"!= world_size ({self.world_size})")
+            raise ValueError(
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) "
+                f"!= world_size ({self.world_size})"
+            )
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
         """Resolve the configured degrees (shard = -1 takes the remaining ranks); raises ConfigError."""
         replicate, shard, tp = validate_parallelism(cfg, world_size)
         return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size)
@@ -66,8 +69,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The run's DeviceMesh (replicate, shard, tp) over the default process group; the only place a mesh is
         built. Ranks are laid out row-major, so TP ranks are adjacent (same node)."""
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=MESH_DIM_NAMES)
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES)
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """FSDP2's mesh: 2D (replicate, shard) for HSDP, else the 1D shard slice."""
@@ -79,5 +81,4 @@ class ParallelDims:
         return dp_rank, self.dp_world_size
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = replicate {self.dp_replicate} x shard {self.dp_shard} "
-                f"x tp {self.tp}")
+        return f"world {self.world_size} = replicate {self.dp_replicate} x shard {self.dp_shard} x tp {self.tp}"

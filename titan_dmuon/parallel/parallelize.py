@@ -11,6 +11,7 @@ The order matters:
   * DMuon before FSDP2: `fully_shard` must skip the dedicated params (DMuon's FSDP2 patch), and
     `dedicate_params` refuses a model FSDP2 already owns.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,9 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The transformer blocks (`model.layers`, a ModuleDict or ModuleList) as (FQN, module)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
-        raise TypeError(f"parallelize expects a model with a `layers` ModuleDict/ModuleList of blocks, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"parallelize expects a model with a `layers` ModuleDict/ModuleList of blocks, got {type(model).__name__}"
+        )
     return [(f"layers.{name}", block) for name, block in layers.named_children()]
 
 
@@ -46,13 +48,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig,
     """The model family's TP plan (sequence parallel: the sequence must split evenly over the TP ranks)."""
     tp = tp_mesh.size()
     if cfg.training.seq_len % tp:
-        raise ConfigError(f"training.seq_len ({cfg.training.seq_len}) must be divisible by "
-                          f"parallelism.tensor_parallel_degree ({tp}) (sequence parallelism)")
+        raise ConfigError(
+            f"training.seq_len ({cfg.training.seq_len}) must be divisible by "
+            f"parallelism.tensor_parallel_degree ({tp}) (sequence parallelism)"
+        )
     try:
         apply_tp(model, tp_mesh)
     except ValueError as e:
-        raise ConfigError(f"parallelism.tensor_parallel_degree = {tp} does not fit model "
-                          f"{cfg.model.name}/{cfg.model.flavor}: {e}") from None
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} does not fit model {cfg.model.name}/{cfg.model.flavor}: {e}"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ AC
@@ -102,29 +107,41 @@ def muon_predicate(pattern: str) -> Callable[[str, nn.Parameter], bool]:
     return lambda name, p: p.ndim == 2 and regex.search(name) is not None
 
 
-def apply_dmuon(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobConfig,
-                param_dtype: torch.dtype | None) -> dict:
+def apply_dmuon(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobConfig, param_dtype: torch.dtype | None
+) -> dict:
     """dmuon.dedicate_params over the shard slice (+ the replicate slice for HSDP). Returns the owners."""
     from titan_dmuon import dmuon
 
     try:
         owners = dmuon.dedicate_params(
-            model, mesh["shard"], muon_predicate(cfg.optimizer.muon_params),
+            model,
+            mesh["shard"],
+            muon_predicate(cfg.optimizer.muon_params),
             replicate_mesh=mesh["replicate"] if dims.hsdp else None,
             reshard_after_forward=cfg.parallelism.dmuon_reshard_after_forward,
-            param_dtype=param_dtype)
+            param_dtype=param_dtype,
+        )
     except ValueError as e:
         if "selected no 2D parameter" in str(e):
-            raise ConfigError(f"optimizer.muon_params = {cfg.optimizer.muon_params!r} selects no 2D parameter "
-                              f"of {cfg.model.name}/{cfg.model.flavor}") from None
+            raise ConfigError(
+                f"optimizer.muon_params = {cfg.optimizer.muon_params!r} selects no 2D parameter "
+                f"of {cfg.model.name}/{cfg.model.flavor}"
+            ) from None
         raise
     logger.info("DMuon: %d matrices dedicated over %d owner slots", len(owners), dims.dp_world_size)
     return owners
 
 
 # --------------------------------------------------------------------------------------------- FSDP2
-def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobConfig,
-               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    cfg: JobConfig,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> None:
     """fully_shard every block, then the root (embeddings, final norm, output), over the DP mesh.
 
     fsdp_reshard_after_forward: "default" reshards the blocks but not the root (the root's params are used
@@ -138,8 +155,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobC
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=mode == "always")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobConfig,
-                apply_tp: Callable | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: JobConfig, apply_tp: Callable | None = None
+) -> nn.Module:
     """TP (tp > 1) -> AC -> compile -> DMuon (optimizer "dmuon") -> FSDP2, in place; returns the model.
 
     The model must be materialized and initialized (identically on every rank) already: DMuon copies each
@@ -158,8 +176,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: Job
     low_precision = param_dtype if param_dtype != torch.float32 else None
     if cfg.optimizer.name == "dmuon":
         apply_dmuon(model, dims, mesh, cfg, low_precision)
-    apply_fsdp(model, dims, mesh, cfg, low_precision,
-               reduce_dtype if (low_precision is not None or reduce_dtype != torch.float32) else None)
-    logger.info("Parallelized: %s; optimizer %s; AC %s; compile %s", dims.describe(), cfg.optimizer.name,
-                cfg.activation_checkpoint.mode, cfg.compile.enable)
+    apply_fsdp(
+        model,
+        dims,
+        mesh,
+        cfg,
+        low_precision,
+        reduce_dtype if (low_precision is not None or reduce_dtype != torch.float32) else None,
+    )
+    logger.info(
+        "Parallelized: %s; optimizer %s; AC %s; compile %s",
+        dims.describe(),
+        cfg.optimizer.name,
+        cfg.activation_checkpoint.mode,
+        cfg.compile.enable,
+    )
     return model
