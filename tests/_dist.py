@@ -6,11 +6,14 @@ The target must be a module-level function (importable by the children).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -29,9 +32,16 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    # On SIGUSR1 every thread's stack goes to this file: the parent asks for it when the run overstays.
+    stack_file = open(os.path.join(outdir, f"rank{rank}.stack"), "w")  # stays open for the process
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -48,8 +58,29 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
             dist.destroy_process_group()
 
 
+def _dump_stacks_and_kill(ctx: mp.ProcessContext, outdir: str) -> str:
+    """Ask every live rank for its stacks (SIGUSR1 -> faulthandler), kill them all, return the stacks."""
+    alive = [(rank, p) for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for _, p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    parts = []
+    for rank, _ in alive:
+        path = os.path.join(outdir, f"rank{rank}.stack")
+        text = open(path).read() if os.path.exists(path) else ""
+        parts.append(f"---- rank {rank} (still running) ----\n{text or '(no stack written)'}")
+    return "\n".join(parts)
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    A run still going after ``timeout`` seconds (a hang: a collective one rank never joins) fails with the
+    stack of every rank still running, and no rank outlives the call."""
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     with tempfile.TemporaryDirectory() as outdir:
@@ -61,11 +92,23 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             start_method="spawn",
         )
         errors = []
+        deadline = time.monotonic() + timeout
         try:
-            while not ctx.join(timeout=timeout):
-                pass
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    stacks = _dump_stacks_and_kill(ctx, outdir)
+                    raise AssertionError(
+                        f"distributed run of {world_size} ranks timed out after {timeout:g} s\n{stacks}"
+                    )
+        except AssertionError:
+            raise
         except Exception as e:  # a child died: collect the per-rank tracebacks below
             errors.append(str(e))
+        finally:  # on any way out (a test timeout too), no rank is left behind
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         results = []
         for rank in range(world_size):
             path = os.path.join(outdir, f"rank{rank}.pkl")
