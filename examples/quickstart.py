@@ -1,4 +1,4 @@
-"""Seed 003's quick start on any machine: DMuon + FSDP2 on a TinyMLP (gloo on CPU, NCCL on GPUs).
+"""The quick start on any machine: DMuon + FSDP2 on a TinyMLP (gloo on CPU, NCCL on GPUs).
 
 torchrun --standalone --nproc_per_node 2 examples/quickstart.py
 """

@@ -1,7 +1,7 @@
-"""Seed 003's quick-start model: a residual MLP whose every layer is a module with a forward.
+"""The quick-start model: a residual MLP whose every layer is a module with a forward.
 
 One definition for the quick-start example, the step benchmark and the DMuon tests. Its matrices are named
-`*_proj` (the seed's Muon predicate: `"proj" in name and p.ndim == 2`); the loss is a mean, so per-rank losses
+`*_proj` (the quick start's Muon predicate: `"proj" in name and p.ndim == 2`); the loss is a mean, so per-rank losses
 average like one concatenated batch.
 """
 
@@ -37,5 +37,5 @@ class TinyMLP(nn.Module):
 
 
 def is_muon_target(name: str, p: torch.Tensor) -> bool:
-    """Seed 003's predicate: the block matrices."""
+    """The quick start's Muon predicate: the block matrices."""
     return "proj" in name and p.ndim == 2

@@ -1,6 +1,6 @@
 """Training-step time of DMuon vs naive FSDP2 + Muon vs FSDP2 + AdamW, on N real gloo ranks.
 
-What it measures, in one run on the same N ranks (same seed-003 TinyMLP init, same per-rank data, same
+What it measures, in one run on the same N ranks (same TinyMLP init, same per-rank data, same
 number of steps for every configuration):
 
   dmuon             dmuon.dedicate_params (Z3 by default) on the "proj" matrices, fully_shard each layer and
@@ -25,10 +25,11 @@ harness, max over ranks of each phase) and shows the 1-minute load average (othe
 
 With --hsdp R the two HSDP runs must end bitwise identical (async only moves the publish wait): the script
 checks the final loss on every rank (and the dedicated params' `_owned_data` and the FSDP2 shards), prints
-it, and prints the per-rank per-step DMuon ledger of the HSDP run (elements by kind, seed-004 counting rule)
-next to seed 004 theorem 3: shard reduce (G-1)/G*P_M, shard broadcast 2(G-1)/G*P_M (Z3: forward + backward
-re-broadcast), replicate reduce and publish (R-1)/R*P_col each, P_col = dedicated elements owned by the
-rank's shard column (summed over a replicate row of G ranks: (R-1)/R*P_M). G = N/R is the shard size.
+it, and prints the per-rank per-step DMuon ledger of the HSDP run (elements by kind, counted as in
+docs/dmuon.md, "Bytes per step") next to that section's HSDP formulas: shard reduce (G-1)/G*P_M, shard
+broadcast 2(G-1)/G*P_M (Z3: forward + backward re-broadcast), replicate reduce and publish (R-1)/R*P_col
+each, P_col = dedicated elements owned by the rank's shard column (summed over a replicate row of G ranks:
+(R-1)/R*P_M). G = N/R is the shard size.
 
 DMuon Z3 resident/ideal: after the last step, per rank, bytes of `_owned_data` + Muon momentum buffers of the
 dedicated params + any packed group buffer storage still allocated; max over ranks divided by
@@ -68,7 +69,7 @@ MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
 ADAMW_LR, ADAMW_BETAS, ADAMW_EPS, ADAMW_WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
-# ---- model and data (seed 003) -------------------------------------------------------------------------
+# ---- model and data (the quick start's TinyMLP) ---------------------------------------------------------
 def make_model(args: argparse.Namespace) -> TinyMLP:
     torch.manual_seed(0)  # identical init on every rank and for every configuration
     return TinyMLP(args.d, args.ff, args.layers)
@@ -347,7 +348,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
-    """Bitwise sync-vs-async check and the per-rank ledger next to theorem 3; returns whether all held."""
+    """Bitwise sync-vs-async check and the per-rank ledger next to the HSDP bytes formulas; returns whether all
+    held."""
     ranks = hsdp["ranks"]
     R, G = ranks[0]["replicate_size"], ranks[0]["shard_size"]
     p_m, z3 = ranks[0]["p_m"], ranks[0]["z3"]
@@ -362,8 +364,8 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
         f"{'yes' if hsdp['state_bitwise'] else 'NO'}"
     )
     print(
-        f"HSDP {R}x{G} DMuon ledger, elements per rank per step (seed-004 rule: (k-1)/k*P per collective "
-        f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (theorem 3)"
+        f"HSDP {R}x{G} DMuon ledger, elements per rank per step (ledger rule: (k-1)/k*P per collective "
+        f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (expected: docs/dmuon.md, Bytes per step, HSDP)"
     )
     kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast")
     print(f"{'rank':>4} {'(shard,rep)':>11} {'P_col':>9}" + "".join(f"{k:>27}" for k in kinds) + "  check")

@@ -201,7 +201,7 @@ def dedicate_params_ddp(
     *,
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
 ) -> dict[nn.Parameter, int]:
-    """DDP path (seed 004 theorem 1): every rank keeps the live full param; each grad is averaged onto
+    """DDP path (docs/dmuon.md, "DDP"): every rank keeps the live full param; each grad is averaged onto
     its owner, only the owner runs NS, and after the step the owner broadcasts the updated param.
 
     Use `replicate(model, mesh)` for the other params. Returns each dedicated param's owner rank in `mesh`.
@@ -225,8 +225,9 @@ def dedicate_params_ddp_tp(
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
     tp_buffer_reuse: bool | str = False,
 ) -> dict[nn.Parameter, int]:
-    """DDP + TP (seed 002): like `dedicate_params_ddp`, with TP-sharded matrices handled by the TP gather ->
-    full-matrix NS on the TP owner -> scatter path. Call after `parallelize_module`, with the DP slice."""
+    """DDP + TP (docs/dmuon.md, "Tensor parallelism"): like `dedicate_params_ddp`, with TP-sharded matrices
+    handled by the TP gather -> full-matrix NS on the TP owner -> scatter path. Call after
+    `parallelize_module`, with the DP slice."""
     return _dedicate_ddp(
         "dedicate_params_ddp_tp",
         model,

@@ -2,8 +2,8 @@
 
 On NCCL a batch of broadcasts/reduces is issued as one coalesced call (`dist._coalescing_manager`); gloo has
 no coalesced broadcast/reduce, so each op is issued async and the batch is a list of work handles. Every
-op is recorded in a `CommLedger` the way seed 004 counts: a broadcast/reduce/gather/scatter of P elements
-over N ranks moves (N-1)/N·P elements per rank.
+op is recorded in a `CommLedger` (docs/dmuon.md, "Bytes per step"): a broadcast/reduce/gather/scatter of P
+elements over N ranks moves (N-1)/N·P elements per rank.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Make a plain `fully_shard(module, mesh=...)` skip DMuon's dedicated params (seed 001 §6).
+"""Make a plain `fully_shard(module, mesh=...)` skip DMuon's dedicated params (docs/dmuon.md, "Ownership").
 
 The patch wraps one private FSDP2 function, `_fsdp_init._get_managed_states`, adding every param that
 carries `_dedicated_owner_rank` to `ignored_params`. FSDP2 and DMuon then manage disjoint param sets.

@@ -1,10 +1,11 @@
 """DedicatedParamGroup: the params behind one hook boundary, their packed buffer and their hooks.
 
-Lifecycle per step (seed 001 §4): pre-forward → unshard (one broadcast per owner of a contiguous slice of
-the packed buffer, next group prefetched) → forward → post-forward: Z3 frees the buffer, Z2 keeps it →
-pre-backward (an autograd function on the outputs) → unshard again under Z3 → each param's grad lands
-(post-accumulate-grad hook) → when the group's last grad lands: pack, reduce (average) to the owners,
-free the buffer → end of backward (engine callback): finish the reduces, owners keep `_reduced_grad`.
+Lifecycle per step (docs/dmuon.md, "Hook boundaries and the per-step lifecycle"): pre-forward → unshard
+(one broadcast per owner of a contiguous slice of the packed buffer, next group prefetched) → forward →
+post-forward: Z3 frees the buffer, Z2 keeps it → pre-backward (a multi-grad hook on the outputs) → unshard
+again under Z3 → each param's grad lands (post-accumulate-grad hook) → when the group's last grad lands:
+pack, reduce (average) to the owners, free the buffer → end of backward (engine callback): finish the
+reduces, owners keep `_reduced_grad`.
 """
 
 from __future__ import annotations

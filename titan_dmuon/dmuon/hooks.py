@@ -1,4 +1,5 @@
-"""Where DMuon's forward/backward hooks attach (seed 001 §3.2), independent of who owns what.
+"""Where DMuon's forward/backward hooks attach, independent of who owns what (docs/dmuon.md,
+"Hook boundaries and the per-step lifecycle").
 
 Default: the `layers.N` / `blocks.N` ancestor of each dedicated param (one packed broadcast per block),
 else the param's parent module. An explicit `hook_boundary_predicate(module)` picks the lowest ancestor

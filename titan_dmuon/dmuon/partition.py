@@ -1,4 +1,4 @@
-"""Who owns what: one global LPT over every dedicated matrix (seed 001 §3.1).
+"""Who owns what: one global LPT over every dedicated matrix (docs/dmuon.md, "The LPT partition").
 
 Global, not per module: a per-layer LPT with 7 matrices on 8 ranks leaves one rank idle in every layer,
 while the global view can hand that rank the layers where it happens to be lightest.

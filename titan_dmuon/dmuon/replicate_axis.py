@@ -1,4 +1,5 @@
-"""The HSDP replicate axis (seed 000, 001 §5): stage-2 grad reduce and the post-step publish.
+"""The HSDP replicate axis: stage-2 grad reduce and the post-step publish (docs/dmuon.md, "HSDP: two-stage
+reduce and the publish").
 
 Stage 2 averages, over the replicate group (a shard column), the row averages that stage 1 left on this
 row's column member, onto the global owner: net divisor G·R. The publish broadcasts the global owner's

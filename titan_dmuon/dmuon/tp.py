@@ -1,4 +1,5 @@
-"""Tensor parallelism inside DMuon (seed 002): TP-axis detection, TP owners, gather -> NS -> scatter.
+"""Tensor parallelism inside DMuon (docs/dmuon.md, "Tensor parallelism"): TP-axis detection, TP owners,
+gather -> NS -> scatter.
 
 A dedicated param that is a DTensor sharded on a mesh dim whose name is not among the DP mesh's names is
 TP-sharded. Its DP ownership works on the local shards exactly as without TP; at step time the DP-owner
@@ -118,7 +119,7 @@ class TPUpdate:
 
 def gram_is_beneficial(dp) -> bool:
     """Distributed Gram pays when the TP-sharded dim is the long side: the s×s Gram all-reduce is then
-    smaller than gathering and scattering the full m×n update (the "beneficial" policy of seed 002)."""
+    smaller than gathering and scattering the full m×n update (docs/dmuon.md, "Tensor parallelism")."""
     m, n = dp.full_shape
     long_dim = 0 if m > n else 1 if n > m else None
     return long_dim is not None and dp.shard_dim == long_dim
