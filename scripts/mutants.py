@@ -308,8 +308,9 @@ def run_mutant(m: Mutant, files: list[str], rev: str | None, timeout: float, kee
     try:
         make_copy(tmp, files, rev)
         missing = [t for t in m.tests if not (tmp / t).is_file()]
-        if missing:
-            return Result(m, "missing test file", time.perf_counter() - start, ", ".join(missing))
+        if missing:  # a file only in the working tree is not copied: it must be tracked (git add) first
+            where = [f"{t} (untracked)" if rev is None and (REPO / t).is_file() else t for t in missing]
+            return Result(m, "missing test file", time.perf_counter() - start, ", ".join(where))
         target = tmp / m.file
         target.write_text(mutate(target.read_text(), m))
         try:
