@@ -63,7 +63,24 @@ def no_sync(model: nn.Module):
             ddp.sync_grads = True
 
 
+def comm_stats(model: nn.Module) -> dict[str, dict[str, float]]:
+    """What DMuon moved on this rank in the last completed step: elements and bytes per collective kind
+    (the byte ledger; see docs/dmuon.md, "Bytes per step")."""
+    ledger = _require_state(model, "comm_stats").ledger
+    return {"elements": dict(ledger.last_step), "bytes": dict(ledger.last_step_bytes)}
+
+
+def drain(model: nn.Module) -> None:
+    """Wait for any DMuon communication still in flight (the HSDP/DDP post-step publish, deferred TP updates).
+
+    Call it before reading the live params outside the training step or before destroying the process group.
+    """
+    _require_state(model, "drain").drain_publish()
+
+
 __all__ = [
+    "comm_stats",
+    "drain",
     "DedicatedParam",
     "Muon",
     "clip_grad_norm_",
