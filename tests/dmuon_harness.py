@@ -1,12 +1,24 @@
 """One training harness for the DMuon distributed tests: builds the model on a 1D FSDP2, HSDP or DDP
-layout, trains it, and checks the invariants I1-I4 (seed 001 §8) on every rank as it goes."""
+layout, trains it, checks the invariants I1-I4 (docs/dmuon.md, Invariants) on every rank as it goes, and
+records per step what the parity checks compare with the single-process reference: the loss, the global
+grad norm (before the step) and the owners' momentum buffers (after it).
+
+NS normalizes its input, so a grad reduced with the wrong scale (SUM instead of AVG) leaves losses and
+weights almost unchanged: only the grad norms and the momentum buffers show it."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tests.reference import fp32_torch_muon, reference_optimizers
+from tests.reference import (
+    assert_rel_close,
+    fp32_torch_muon,
+    grad_norm,
+    match_groups,
+    momentum_buffers,
+    reference_optimizers,
+)
 from tests.tiny_models import TinyMLP, batch, proj_predicate
 
 D, FF, LAYERS, B = 32, 64, 4, 4  # 4 layers = 4 merged owner units: every slot of 4 ranks owns one
@@ -19,27 +31,40 @@ HP = dict(
     adamw_eps=1e-8,
     adamw_weight_decay=0.01,
 )
+# The Muon settings the layout tests run with; `options` (see `muon_kwargs`) override them.
+MUON_DEFAULTS = dict(nesterov=True, ns_coefficients="muon", adjust_lr_fn="original")
 
 
-def reference(world_size: int, steps: int):
-    """Single process, the ranks' batches concatenated: torch.optim.Muon (fp32 NS) + AdamW."""
+def muon_kwargs(options: dict | None = None) -> dict:
+    """HP + MUON_DEFAULTS + `options`: the keyword arguments of dmuon.Muon and of `reference_optimizers`.
+    `options["groups"]` lists per-group overrides `{"match": name substring, **keys}` (see
+    tests.reference.reference_optimizers); `build_muon` turns them into dmuon.Muon's `param_groups`."""
+    return {**HP, **MUON_DEFAULTS, **(options or {})}
+
+
+def reference(world_size: int, steps: int, options: dict | None = None) -> dict:
+    """Single process, the ranks' batches concatenated: torch.optim.Muon (fp32 NS) + AdamW. Per step: the
+    loss, the global grad norm before the step and the momentum buffers after it; the final state dict."""
     torch.manual_seed(0)
     model = TinyMLP(D, FF, LAYERS)
-    muon, adamw = reference_optimizers(model, proj_predicate, **HP)
-    losses = []
+    muon, adamw = reference_optimizers(model, proj_predicate, **muon_kwargs(options))
+    losses, norms, momentum = [], [], []
     with fp32_torch_muon():
         for step in range(steps):
             loss = model(torch.cat([batch(step, r, B, D) for r in range(world_size)]))
             loss.backward()
+            norms.append(grad_norm(model))
             muon.step()
             adamw.step()
+            momentum.append(momentum_buffers(model, muon))
             muon.zero_grad()
             adamw.zero_grad()
             losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dict(losses=losses, sd=sd, norms=norms, momentum=momentum)
 
 
-def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicate_async: bool = True):
+def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicate_async: bool = True, options=None):
     """layout: "fsdp" (1D), "hsdp" ((R, G) mesh), "ddp" (dedicate_params_ddp + replicate)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -66,7 +91,7 @@ def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicat
         raise ValueError(layout)
     if fsdp_mesh is not None:
         shard_blocks(model, fsdp_mesh)
-    return model, build_muon(model, replicate_async=replicate_async), owners
+    return model, build_muon(model, options, replicate_async=replicate_async), owners
 
 
 def shard_blocks(model, mesh) -> None:
@@ -78,25 +103,73 @@ def shard_blocks(model, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def build_muon(model, **options):
-    """dmuon.Muon with HP and the settings under which it equals the reference (torch.optim.Muon with the
-    "muon" coefficients and the "original" lr adjustment); `options` adds the rest (replicate_async, ...)."""
+def build_muon(model, options: dict | None = None, **extra):
+    """dmuon.Muon with `muon_kwargs(options)` (by default the settings under which it equals the reference:
+    the "muon" coefficients and the "original" lr adjustment), the `groups` overrides as `param_groups`
+    (matched by name, after fully_shard: FSDP2 replaces the params it shards); `extra` adds the rest
+    (replicate_async, ...)."""
     from titan_dmuon import dmuon
 
-    return dmuon.Muon(
-        model,
-        lr=HP["lr"],
-        momentum=HP["momentum"],
-        nesterov=True,
-        weight_decay=HP["weight_decay"],
-        ns_coefficients="muon",
-        adjust_lr_fn="original",
-        adamw_lr=HP["adamw_lr"],
-        adamw_betas=HP["adamw_betas"],
-        adamw_eps=HP["adamw_eps"],
-        adamw_weight_decay=HP["adamw_weight_decay"],
-        **options,
-    )
+    kwargs = muon_kwargs(options)
+    groups = kwargs.pop("groups", ())
+    matched = match_groups(model.named_parameters(), groups)
+    param_groups = [
+        {"params": ps, **{k: v for k, v in g.items() if k != "match"}} for g, ps in zip(groups, matched, strict=True)
+    ]
+    assert all(g["params"] for g in param_groups), "a param group override matched no param"
+    return dmuon.Muon(model, param_groups=param_groups or None, **kwargs, **extra)
+
+
+def owner_momentum(model, opt) -> dict[str, tuple]:
+    """This rank's momentum buffers (the owners' own `opt.state`, no collective, no drain of an async
+    publish): fqn -> (TP shard dim or None, TP rank, TP size, a copy of the (TP-local) buffer)."""
+    out = {}
+    for dp in model._dmuon_state.dparams:
+        st = opt.state.get(dp.param, {})
+        if dp.is_owner and "momentum_buffer" in st:
+            size = dp.tp_group.size() if dp.tp_group is not None else 1
+            out[dp.fqn] = (dp.shard_dim, dp.tp_rank, size, st["momentum_buffer"].detach().clone())
+    return out
+
+
+def merge_momentum(per_rank: list[dict[str, tuple]]) -> dict[str, torch.Tensor]:
+    """One step's `owner_momentum` of every rank -> full buffers by fqn; each (fqn, TP rank) from exactly
+    one owner (I1), TP shards concatenated on their shard dim."""
+    shards: dict[str, dict[int, tuple]] = {}
+    for rank_bufs in per_rank:
+        for fqn, (dim, tp_rank, size, buf) in rank_bufs.items():
+            assert tp_rank not in shards.setdefault(fqn, {}), f"two owners hold the momentum of {fqn}"
+            shards[fqn][tp_rank] = (dim, size, buf)
+    out = {}
+    for fqn, by_tp in shards.items():
+        dim, size, _ = next(iter(by_tp.values()))
+        assert sorted(by_tp) == list(range(size)), f"{fqn}: momentum shards of TP ranks {sorted(by_tp)}"
+        bufs = [by_tp[i][2] for i in range(size)]
+        out[fqn] = bufs[0] if dim is None else torch.cat(bufs, dim=dim)
+    return out
+
+
+def assert_matches_reference(results: list[dict], ref: dict, rtol: float = 1e-5) -> None:
+    """Every rank's losses and global grad norms, rank 0's full state dict and every step's owners' momentum
+    buffers (merged over ranks) against the reference, at `rtol` (norm-wise for tensors)."""
+    steps = len(ref["losses"])
+    for i, r in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0, msg=lambda m: f"losses: {m}"
+        )
+        # the grad norm is the one check of the grads' scale that NS cannot normalize away
+        norms, want = torch.tensor(r["norms"], dtype=torch.float64), torch.tensor(ref["norms"], dtype=torch.float64)
+        torch.testing.assert_close(norms, want, rtol=rtol, atol=0, msg=lambda m: f"global grad norms: {m}")
+        assert len(r["momentum"]) == steps, f"rank {i}"
+    assert set(results[0]["sd"]) == set(ref["sd"])
+    for k, v in ref["sd"].items():
+        assert_rel_close(results[0]["sd"][k], v, rtol, k)
+    for step in range(steps):
+        got = merge_momentum([r["momentum"][step] for r in results])
+        want = ref["momentum"][step]
+        assert set(got) == set(want), f"step {step}: momentum of {sorted(set(got) ^ set(want))}"
+        for k, v in want.items():
+            assert_rel_close(got[k], v, rtol, f"step {step} momentum {k}")
 
 
 def check_i1_i2_i3(model, owners, layout: str) -> None:
@@ -138,18 +211,21 @@ def train(
     z3: bool = True,
     replicate_async: bool = True,
     check_every_step: bool = True,
+    options: dict | None = None,
 ):
     from titan_dmuon import dmuon
 
-    model, opt, owners = build(layout, mesh_shape, z3=z3, replicate_async=replicate_async)
+    model, opt, owners = build(layout, mesh_shape, z3=z3, replicate_async=replicate_async, options=options)
     st = model._dmuon_state
-    losses, ledgers, ns_calls = [], [], []
+    losses, ledgers, ns_calls, norms, momentum = [], [], [], [], []
     for step in range(steps):
         loss = model(batch(step, rank, B, D))
         loss.backward()
         if check_every_step:
             check_i1_i2_i3(model, owners, layout)
+        norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=float("inf")).item())  # the norm; never clips
         opt.step()
+        momentum.append(owner_momentum(model, opt))
         opt.zero_grad()
         if check_every_step and not replicate_async:
             check_i4(model)
@@ -161,6 +237,8 @@ def train(
     check_i4(model)
     return dict(
         losses=losses,
+        norms=norms,
+        momentum=momentum,
         ledgers=ledgers,
         ns_calls=ns_calls,
         sd=dmuon.get_model_state_dict(model),

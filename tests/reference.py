@@ -1,63 +1,178 @@
-"""Single-process reference: torch.optim.Muon (its NS swapped to the same iteration in fp32) + AdamW."""
+"""Single-process reference: torch.optim.Muon (its bf16 NS swapped for the same iteration in fp32) + AdamW.
+
+Nothing here imports the code under test: the Newton-Schulz iteration is torch.optim.Muon's own, written out
+in fp32 (plus the Polar Express coefficient table as published), so a bug in titan_dmuon cannot hide in its
+own reference.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any
 from unittest import mock
 
 import torch
 import torch.optim._muon as torch_muon
 
-from titan_dmuon.dmuon.newton_schulz import zeropower_via_newtonschulz
-
 MUON_ABC = (3.4445, -4.775, 2.0315)
 
+# Polar Express (Amsel et al. 2025), degree-5 table as published; every triple but the last carries the 1.01
+# safety factor, the last repeats for any further step, and the input is normalized with a 1.01 cushion.
+_PE_RAW = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _PE_RAW[:-1]] + [_PE_RAW[-1]]
 
-def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
-    return zeropower_via_newtonschulz(
-        grad, ns_steps=ns_steps, coefficients=ns_coefficients, eps=eps, dtype=torch.float32
-    )
+MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def _ns_fp32_gram_rectangular(grad, ns_coefficients, ns_steps, eps):
-    formulation = "gram" if grad.size(0) != grad.size(1) else "direct"
-    return zeropower_via_newtonschulz(
-        grad, ns_steps=ns_steps, coefficients=ns_coefficients, eps=eps, dtype=torch.float32, formulation=formulation
-    )
+def ns_schedule(ns_coefficients, ns_steps: int) -> tuple[list[tuple[float, float, float]], float]:
+    """(one (a, b, c) per NS step, the normalization cushion) for "muon", "polar_express" or one triple."""
+    if ns_coefficients == "muon":
+        return [MUON_ABC] * ns_steps, 1.0
+    if ns_coefficients == "polar_express":
+        return POLAR_EXPRESS[:ns_steps] + [POLAR_EXPRESS[-1]] * max(0, ns_steps - len(POLAR_EXPRESS)), 1.01
+    a, b, c = ns_coefficients
+    return [(a, b, c)] * ns_steps, 1.0
+
+
+def reference_ns(grad, ns_coefficients, ns_steps, eps, *, dtype=torch.float32, gram: bool = False):
+    """torch.optim._muon._zeropower_via_newtonschulz written out in `dtype` (not bf16), with a coefficient
+    schedule and cushion from `ns_schedule`. `gram=True` runs the same polynomial on the s×s Gram matrix
+    (A <- Q A Q, P <- Q P with Q = aI + bA + cA², result P X)."""
+    triples, cushion = ns_schedule(ns_coefficients, ns_steps)
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / (x.norm() * cushion).clamp(min=eps)
+    if not gram:
+        for a, b, c in triples:
+            gram_matrix = x @ x.T
+            gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+            x = torch.addmm(x, gram_update, x, beta=a)
+    else:
+        g = x @ x.T
+        eye = torch.eye(g.size(0), dtype=dtype)
+        p = eye
+        for a, b, c in triples:
+            q = a * eye + b * g + c * (g @ g)
+            p = q @ p
+            g = q @ g @ q
+        x = p @ x
+    return x.T if tall else x
+
+
+def _ns_for_torch(grad, ns_coefficients, ns_steps, eps, gram_for_rectangular: bool = False):
+    gram = gram_for_rectangular and grad.size(0) != grad.size(1)
+    return reference_ns(grad, ns_coefficients, ns_steps, eps, dtype=torch.float32, gram=gram)
 
 
 @contextlib.contextmanager
 def fp32_torch_muon(gram_for_rectangular: bool = False):
-    """torch.optim.Muon with its NS in fp32 (optionally the Gram formulation for non-square matrices,
-    which is what DMuon's TP distributed Gram computes)."""
-    fn = _ns_fp32_gram_rectangular if gram_for_rectangular else _ns_fp32
+    """torch.optim.Muon with its NS in fp32 (optionally the Gram formulation for non-square matrices, which
+    is what DMuon's TP distributed Gram computes). Its `ns_coefficients` may then also be "muon" or
+    "polar_express"."""
+    fn = functools.partial(_ns_for_torch, gram_for_rectangular=gram_for_rectangular)
     with mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", fn):
         yield
 
 
+def match_groups(named_params, groups: Sequence[dict[str, Any]]) -> list[list[torch.nn.Parameter]]:
+    """The params of each `{"match": substring, **overrides}` group, by name; each param in at most one."""
+    out: list[list[torch.nn.Parameter]] = [[] for _ in groups]
+    for name, p in named_params:
+        hits = [i for i, g in enumerate(groups) if g["match"] in name]
+        assert len(hits) <= 1, f"{name} matches more than one param group"
+        if hits:
+            out[hits[0]].append(p)
+    return out
+
+
 def reference_optimizers(
-    model, predicate, *, lr, momentum, weight_decay, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, nesterov=True
+    model,
+    predicate,
+    *,
+    lr,
+    momentum,
+    weight_decay,
+    adamw_lr,
+    adamw_betas,
+    adamw_eps,
+    adamw_weight_decay,
+    nesterov=True,
+    adjust_lr_fn="original",
+    ns_coefficients=MUON_ABC,
+    ns_steps=5,
+    groups: Sequence[dict[str, Any]] = (),
 ):
-    muon_params = [p for n, p in model.named_parameters() if predicate(n, p)]
-    ids = {id(p) for p in muon_params}
-    other = [p for p in model.parameters() if id(p) not in ids]
+    """torch.optim.Muon on the `predicate` matrices, torch.optim.AdamW on the rest. `groups` are per-group
+    overrides `{"match": name substring, key: value, ...}`: the matched params get a param group of their
+    own with the keys of their optimizer (`lr`, `weight_decay`, ... as dmuon.Muon's `param_groups`)."""
+    named = list(model.named_parameters())
+    muon_named = [(n, p) for n, p in named if predicate(n, p)]
+    ids = {id(p) for _, p in muon_named}
+    adamw_named = [(n, p) for n, p in named if id(p) not in ids]
+
+    def param_groups(named_params, keys):
+        matched = match_groups(named_params, groups)
+        taken = {id(p) for ps in matched for p in ps}
+        out = [{"params": [p for _, p in named_params if id(p) not in taken]}]
+        for g, ps in zip(groups, matched, strict=True):
+            if ps:
+                out.append({"params": ps, **{k: v for k, v in g.items() if k in keys}})
+        return [g for g in out if g["params"]]
+
     muon = torch.optim.Muon(
-        muon_params,
+        param_groups(muon_named, MUON_KEYS),
         lr=lr,
         momentum=momentum,
         nesterov=nesterov,
         weight_decay=weight_decay,
-        ns_coefficients=MUON_ABC,
-        adjust_lr_fn="original",
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn,
     )
-    adamw = torch.optim.AdamW(other, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    adamw = torch.optim.AdamW(
+        param_groups(adamw_named, ADAMW_KEYS),
+        lr=adamw_lr,
+        betas=adamw_betas,
+        eps=adamw_eps,
+        weight_decay=adamw_weight_decay,
+    )
     return muon, adamw
+
+
+def momentum_buffers(model, muon) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon's momentum buffers by parameter name (copies)."""
+    return {n: muon.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters() if p in muon.state}
+
+
+def grad_norm(model) -> float:
+    """The global L2 grad norm of every param (the reference side of dmuon.clip_grad_norm_)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
     """Norm-wise relative error: ||actual - expected|| <= rtol·||expected|| (elementwise rtol is
     meaningless for the near-zero entries of a weight matrix)."""
     actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual - expected).norm().item()
     scale = expected.norm().item()
     assert err <= rtol * max(scale, 1e-12), f"{what}: relative error {err / max(scale, 1e-12):.3e} > {rtol:g}"
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-12)).item()

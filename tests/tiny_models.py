@@ -1,4 +1,5 @@
-"""Tiny models shared by the tests (seed 003's quick-start model, each layer a module with a forward)."""
+"""Tiny models shared by the tests (the quick-start TinyMLP of models.tiny_mlp, each layer a module with a
+forward)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from models.tiny_mlp import is_muon_target as proj_predicate  # noqa: F401 (the 
 
 
 class TinyMLP(_SeedTinyMLP):
-    """Seed 003's TinyMLP at test size, with a 4-wide head."""
+    """The quick-start TinyMLP (models.tiny_mlp) at test size, with a 4-wide head."""
 
     def __init__(self, d: int = 32, ff: int = 64, n_layers: int = 3):
         super().__init__(d, ff, n_layers, n_out=4)

@@ -1,5 +1,6 @@
-"""DMuon on HSDP (replicate × shard) and DDP, real gloo ranks: parity with torch.optim.Muon + AdamW and
-with the 1D run, sync vs async publish bitwise, invariants I1-I4, and seed 004's theorems 1 and 3."""
+"""DMuon on HSDP (replicate × shard) and DDP, real gloo ranks: parity with torch.optim.Muon + AdamW (losses,
+weights, global grad norms, momentum buffers) and with the 1D run, sync vs async publish bitwise, invariants
+I1-I4, and the HSDP and DDP bytes (docs/dmuon.md, Bytes per step)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,20 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.dmuon_harness import reference, train
+from tests.dmuon_harness import assert_matches_reference, reference, train
 from tests.reference import assert_rel_close
 
 STEPS = 8
 
 
-def _assert_parity(result, ref_losses, ref_sd):
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for k, v in ref_sd.items():
-        assert_rel_close(result["sd"][k], v, 1e-5, k)
-
-
 @pytest.mark.slow
 def test_hsdp_2x2_parity_async_equals_sync_and_matches_1d():
-    ref_losses, ref_sd = reference(4, STEPS)
     asyn = run_distributed(train, 4, "hsdp", (2, 2), STEPS, replicate_async=True)
     sync = run_distributed(train, 4, "hsdp", (2, 2), STEPS, replicate_async=False)
     flat = run_distributed(train, 4, "fsdp", (4,), STEPS)
-    _assert_parity(asyn[0], ref_losses, ref_sd)
+    assert_matches_reference(asyn, reference(4, STEPS))
     for a, s in zip(asyn, sync, strict=True):  # async only moves the wait: bitwise the same run
-        assert a["losses"] == s["losses"]
+        assert a["losses"] == s["losses"] and a["norms"] == s["norms"]
         assert all(torch.equal(a["sd"][k], s["sd"][k]) for k in a["sd"])
         for fqn, st in a["osd"]["state"].items():
             for name, t in st.items():
@@ -43,12 +37,14 @@ def test_hsdp_2x2_parity_async_equals_sync_and_matches_1d():
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 1), (1, 4)], ids=["2x2", "2x1", "1x4"])
 @pytest.mark.parametrize("z3", [False, True], ids=["Z2", "Z3"])
-def test_hsdp_bytes_match_theorem_3(mesh_shape, z3):
-    """Theorem 3 per step: shard reduce (N-1)/N·P_M and shard broadcast (N-1)/N·P_M (twice under Z3) on
-    every rank; the replicate reduce and publish carry (R-1)/R of each column's params, so per rank
-    (R-1)/R·P_col and, summed over the N ranks of a replicate row, exactly (R-1)/R·P_M."""
+def test_hsdp_bytes_match_formula_and_parity(mesh_shape, z3):
+    """The HSDP bytes (docs/dmuon.md, Bytes per step) per step: shard reduce (N-1)/N·P_M and shard broadcast
+    (N-1)/N·P_M (twice under Z3) on every rank; the replicate reduce and publish carry (R-1)/R of each
+    column's params, so per rank (R-1)/R·P_col and, summed over the N ranks of a replicate row, exactly
+    (R-1)/R·P_M. And the same short runs match the reference (a replicate-only 2x1 mesh included)."""
     R, N = mesh_shape
     results = run_distributed(train, R * N, "hsdp", mesh_shape, 3, z3=z3, check_every_step=True)
+    assert_matches_reference(results, reference(R * N, 3))
     p_m = results[0]["p_m"]
     for r in results:
         for led in r["ledgers"]:
@@ -68,11 +64,11 @@ def test_hsdp_bytes_match_theorem_3(mesh_shape, z3):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_parity_and_identical_params(world_size):
     results = run_distributed(train, world_size, "ddp", (world_size,), STEPS)
-    ref_losses, ref_sd = reference(world_size, STEPS)
-    _assert_parity(results[0], ref_losses, ref_sd)
+    assert_matches_reference(results, reference(world_size, STEPS))
     for r in results[1:]:
         assert all(torch.equal(r["sd"][k], results[0]["sd"][k]) for k in r["sd"])
-    # theorem 1: reduce to the owner + broadcast from it, each (N-1)/N·P_M per rank
+    # the DDP bytes (docs/dmuon.md, Bytes per step): reduce to the owner + broadcast from it, each
+    # (N-1)/N·P_M per rank
     p_m = results[0]["p_m"]
     for r in results:
         for led in r["ledgers"]:

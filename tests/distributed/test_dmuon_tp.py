@@ -1,5 +1,6 @@
-"""DMuon with tensor parallelism on real gloo ranks (seed 002): dp × tp, replicate × shard × tp and
-DDP + TP match single-process torch.optim.Muon + AdamW; TP size 1 is bitwise the plain 1D run."""
+"""DMuon with tensor parallelism (docs/dmuon.md, Tensor parallelism) on real gloo ranks: dp × tp, replicate ×
+shard × tp and DDP + TP match single-process torch.optim.Muon + AdamW (losses, weights, global grad norms and
+the owners' momentum buffers, TP shards assembled); TP size 1 is bitwise the plain 1D run."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import run_distributed
-from tests.dmuon_harness import HP, build_muon, shard_blocks
-from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimizers
+from tests.dmuon_harness import HP, build_muon, merge_momentum, owner_momentum, shard_blocks
+from tests.reference import assert_rel_close, fp32_torch_muon, grad_norm, momentum_buffers, reference_optimizers
 from tests.tiny_models import TinyLlama, apply_llama_tp, proj_predicate, seq_batch
 
 D, FF, HEADS, LAYERS, B, T, STEPS = 32, 64, 4, 2, 2, 8, 6
@@ -20,20 +21,21 @@ def _reference(dp_size: int, gram_for_rectangular: bool = False):
     model = TinyLlama(D, FF, HEADS, LAYERS)
     muon, adamw = reference_optimizers(model, proj_predicate, **HP)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, _lr_factor) for o in (muon, adamw)]
-    losses, norms = [], []
+    losses, norms, momentum = [], [], []
     with fp32_torch_muon(gram_for_rectangular):
         for step in range(STEPS):
             loss = model(torch.cat([seq_batch(step, r, B, T, D) for r in range(dp_size)]))
             loss.backward()
-            norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+            norms.append(grad_norm(model))
             muon.step()
             adamw.step()
+            momentum.append(momentum_buffers(model, muon))
             for sched in schedules:
                 sched.step()
             muon.zero_grad()
             adamw.zero_grad()
             losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, momentum
 
 
 def _lr_factor(step: int) -> float:
@@ -85,14 +87,15 @@ def _train(
     dp_rank = dp_mesh.get_coordinate()
     dp_rank = dp_rank[0] if len(dp_rank) == 1 else dp_rank[0] * dp_mesh.size(1) + dp_rank[1]
     st = model._dmuon_state
-    losses, ns_calls, norms = [], [], []
+    losses, ns_calls, norms, momentum = [], [], [], []
     for step in range(STEPS):
         loss = model(seq_batch(step, dp_rank, B, T, D))
         loss.backward()
-        norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=1e9).item())  # global norm, never clips
+        norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=float("inf")).item())  # global norm, never clips
         for dp in st.dparams:  # I3 per TP coordinate: the DP owner of each shard holds its grad
             assert (dp._reduced_grad is not None) == dp.is_owner, dp.fqn
         opt.step()
+        momentum.append(owner_momentum(model, opt))  # TP-local shards on the DP owners
         sched.step()
         opt.zero_grad()
         ns_calls.append(opt.last_step_stats["ns_calls"])
@@ -114,6 +117,7 @@ def _train(
         losses=losses,
         ns_calls=ns_calls,
         norms=norms,
+        momentum=momentum,
         sd=dmuon.get_model_state_dict(model),
         osd=dmuon.get_optimizer_state_dict(model, opt),
         owned=owned,
@@ -125,13 +129,20 @@ def _train(
 
 
 def _check_parity(results, dp_size, gram_for_rectangular: bool = False):
-    ref_losses, ref_sd, ref_norms = _reference(dp_size, gram_for_rectangular)
+    ref_losses, ref_sd, ref_norms, ref_momentum = _reference(dp_size, gram_for_rectangular)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         for k, v in ref_sd.items():  # full (unsharded across TP) tensors from the getters
             assert r["sd"][k].shape == v.shape, k
             assert_rel_close(r["sd"][k], v, 1e-5, k)
+    for step in range(STEPS):  # the DP owners' momentum shards, assembled across TP ranks
+        got = merge_momentum([r["momentum"][step] for r in results])
+        assert set(got) == set(ref_momentum[step]), step
+        for k, v in ref_momentum[step].items():
+            assert_rel_close(got[k], v, 1e-5, f"step {step} momentum {k}")
+    for k, v in ref_momentum[-1].items():  # and through the checkpoint getter (TP all-gather)
+        assert_rel_close(results[0]["osd"]["state"][k]["momentum_buffer"], v, 1e-5, k)
     for step in range(STEPS):  # one NS per matrix per step across all ranks
         assert sum(r["ns_calls"][step] for r in results) == results[0]["n_dedicated"]
 

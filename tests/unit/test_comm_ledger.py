@@ -1,4 +1,4 @@
-"""DMuon's byte ledger (titan_dmuon.dmuon.comm.CommLedger) and the seed-004 counting rule."""
+"""DMuon's byte ledger (titan_dmuon.dmuon.comm.CommLedger) and its counting rule (docs/dmuon.md, Bytes per step)."""
 
 import pytest
 import torch
@@ -111,9 +111,10 @@ def test_ledgers_do_not_share_state():
     assert b.current.get("broadcast", 0.0) == 0.0
 
 
-def test_seed004_z2_bytes():
-    # Z2 per step for dedicated params: one broadcast (forward) + one reduce of P_M elements on N ranks:
-    # 2 (N-1)/N * P_M elements; HSDP adds (R-1)/R * P_M reduce + (R-1)/R * P_M publish.
+def test_z2_and_hsdp_bytes_formula():
+    # The Z2 and HSDP bytes (docs/dmuon.md, Bytes per step). Z2 per step for dedicated params: one broadcast
+    # (forward) + one reduce of P_M elements on N ranks: 2 (N-1)/N * P_M elements; HSDP adds (R-1)/R * P_M
+    # reduce + (R-1)/R * P_M publish.
     N, R = 8, 2
     shapes = [(64, 32), (32, 32), (16, 48)]
     led = CommLedger()
