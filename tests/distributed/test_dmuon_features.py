@@ -8,10 +8,24 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import run_distributed
-from tests.reference import assert_rel_close, fp32_torch_muon, reference_optimizers
+from tests.dmuon_harness import merge_momentum, owner_momentum
+from tests.reference import (
+    assert_rel_close,
+    fp32_torch_muon,
+    grad_norm,
+    momentum_buffers,
+    reference_optimizers,
+    rel_err,
+)
 from tests.tiny_models import TinyMLP, batch, proj_predicate
 
 D, FF, LAYERS, B = 32, 64, 3, 4
+BF16_STEPS, BF16_B = 4, 32  # full-rank grads (see _check_bf16_run)
+# bf16 vs fp32 tolerances, their measured errors and what a wrong update does: see _check_bf16_run
+BF16_LOSS_RTOL = 3e-3
+BF16_NORM_RTOL = 3e-3
+BF16_MOMENTUM_RTOL = 2e-2
+BF16_UPDATE_RTOL = 6e-2
 HP = dict(
     lr=0.02,
     momentum=0.95,
@@ -61,25 +75,34 @@ def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z
     return model, opt
 
 
-def _reference(world_size: int, steps: int, micro: int = 1, max_norm: float | None = None):
+def _reference(
+    world_size: int, steps: int, micro: int = 1, max_norm: float | None = None, batch_size: int = B, **options
+):
+    """fp32 torch.optim.Muon + AdamW on the concatenated batches; `options` override reference_optimizers'.
+    Per step: the grad norm (clipped at `max_norm` when given) and the momentum buffers after the step."""
     torch.manual_seed(0)
     model = TinyMLP(D, FF, LAYERS)
-    muon, adamw = reference_optimizers(model, proj_predicate, **HP)
-    losses, norms = [], []
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    muon, adamw = reference_optimizers(model, proj_predicate, **{**HP, **options})
+    losses, norms, momentum = [], [], []
     with fp32_torch_muon():
         for step in range(steps):
             for m in range(micro):
-                x = torch.cat([batch(step * micro + m, r, B, D) for r in range(world_size)])
+                x = torch.cat([batch(step * micro + m, r, batch_size, D) for r in range(world_size)])
                 loss = model(x)
                 (loss / micro).backward()
                 losses.append(loss.item())
             if max_norm is not None:
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+            else:
+                norms.append(grad_norm(model))
             muon.step()
             adamw.step()
+            momentum.append(momentum_buffers(model, muon))
             muon.zero_grad()
             adamw.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, muon, adamw, model, losses
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dict(sd=sd, init=init, norms=norms, momentum=momentum, muon=muon, adamw=adamw, model=model, losses=losses)
 
 
 def _accumulate(rank: int, world_size: int, use_no_sync: bool, max_norm):
@@ -109,7 +132,8 @@ def _accumulate(rank: int, world_size: int, use_no_sync: bool, max_norm):
 )
 def test_accumulation_no_sync_and_clipping(use_no_sync, max_norm):
     results = run_distributed(_accumulate, 2, use_no_sync, max_norm)
-    ref_sd, ref_norms, *_ = _reference(2, 3, micro=2, max_norm=max_norm)
+    ref = _reference(2, 3, micro=2, max_norm=max_norm)
+    ref_sd, ref_norms = ref["sd"], ref["norms"]
     for sd, norms in results:
         for k, v in ref_sd.items():
             assert_rel_close(sd[k], v, 1e-5, k)
@@ -156,7 +180,8 @@ def _checkpoint_restart(rank: int, world_size: int):
 @pytest.mark.slow
 def test_state_dicts_and_restart_are_exact():
     results = run_distributed(_checkpoint_restart, 2)
-    ref_sd, _, muon, adamw, ref_model, _ = _reference(2, 3)
+    ref = _reference(2, 3)
+    ref_sd, muon, adamw, ref_model = ref["sd"], ref["muon"], ref["adamw"], ref["model"]
     names = {p: n for n, p in ref_model.named_parameters()}
     for r in results:
         assert r["straight"] == r["resumed"]  # bitwise: restart = no restart
@@ -190,30 +215,80 @@ def _boundaries_dtype_patch(rank: int, world_size: int):
 
     model_bf, opt_bf = _build(world_size, param_dtype=torch.bfloat16)
     dtypes = {g.buffer.dtype for g in model_bf._dmuon_state.groups}
-    losses = []
-    for s in range(2):
-        loss = model_bf(batch(s, rank, B, D))
+    losses, norms, momentum = [], [], []
+    for s in range(BF16_STEPS):
+        loss = model_bf(batch(s, rank, BF16_B, D))
         loss.backward()
+        norms.append(dmuon.clip_grad_norm_(model_bf, opt_bf, max_norm=float("inf")).item())
         opt_bf.step()
+        momentum.append(owner_momentum(model_bf, opt_bf))
         opt_bf.zero_grad()
         lt = loss.detach().float()
         dist.all_reduce(lt)
         losses.append(lt.item() / world_size)
-    return dict(groups=per_linear, dtensors=dtensors, sd=sd_linear, dtypes=dtypes, bf_losses=losses)
+    return dict(
+        groups=per_linear,
+        dtensors=dtensors,
+        sd=sd_linear,
+        dtypes=dtypes,
+        bf_losses=losses,
+        bf_norms=norms,
+        bf_momentum=momentum,
+        bf_sd=dmuon.get_model_state_dict(model_bf),
+    )
 
 
 @pytest.mark.slow
 def test_hook_boundaries_param_dtype_and_fsdp2_patch():
-    r = run_distributed(_boundaries_dtype_patch, 2)[0]
+    results = run_distributed(_boundaries_dtype_patch, 2)
+    r = results[0]
     assert r["groups"] == [f"layers.{i}.{n}" for i in range(LAYERS) for n in ("gate_proj", "up_proj", "down_proj")]
     for name, is_dt in r["dtensors"].items():
         assert is_dt == (not proj_predicate(name, torch.zeros(2, 2))), name  # FSDP2 skipped exactly ours
-    ref_sd, _, _, _, _, ref_losses = _reference(2, 2)
-    for k, v in ref_sd.items():  # per-Linear hook boundaries change nothing numerically
+    ref2 = _reference(2, 2)
+    for k, v in ref2["sd"].items():  # per-Linear hook boundaries change nothing numerically
         assert_rel_close(r["sd"][k], v, 1e-5, k)
     assert r["dtypes"] == {torch.bfloat16}
-    # bf16 packed buffers (fp32 masters on the owners) track the fp32 reference to bf16 precision
-    torch.testing.assert_close(torch.tensor(r["bf_losses"]), torch.tensor(ref_losses), rtol=3e-2, atol=0)
+    _check_bf16_run(results)
+
+
+def _check_bf16_run(results):
+    """bf16 packed buffers and FSDP2 params (fp32 masters, fp32 Muon update on the owners) against the fp32
+    reference over BF16_STEPS steps of BF16_B samples per rank. Per step every rank's loss and global grad
+    norm and the owners' momentum buffers; at the end each param's change from the common init (the weights
+    themselves would let the init hide a wrong update).
+
+    Tolerances, each about 2-3x the bf16 error measured here (in brackets) and under what a wrong update does:
+    loss 3e-3 [1.1e-3], grad norm 3e-3 [8e-4; a SUM-reduced grad is +100%], momentum 2e-2 [9e-3; momentum
+    0.9 for 0.95 is 85%, a 1.5x lr 3-7% from step 2], update 6e-2 [3e-2; checked below against three wrong
+    options]. The last block's down_proj is left out of the update check (its momentum is still checked):
+    its grad has rank <= 4 (it only sees the 4-wide head's directions), and NS multiplies the bf16 rounding
+    in the other directions by up to 3.44^5 ≈ 485, so its update differs by ~50% between precisions, also
+    when the step is right. With BF16_B = 32 every other grad is full rank (at B = 4 most were rank 8)."""
+    ref = _reference(2, BF16_STEPS, batch_size=BF16_B)
+    r0 = results[0]
+    low_rank = f"layers.{LAYERS - 1}.down_proj.weight"
+    torch.testing.assert_close(torch.tensor(r0["bf_losses"]), torch.tensor(ref["losses"]), rtol=BF16_LOSS_RTOL, atol=0)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["bf_norms"]), torch.tensor(ref["norms"]), rtol=BF16_NORM_RTOL, atol=0)
+    for step in range(BF16_STEPS):
+        got = merge_momentum([r["bf_momentum"][step] for r in results])
+        assert set(got) == set(ref["momentum"][step])
+        for k, v in ref["momentum"][step].items():
+            assert_rel_close(got[k], v, BF16_MOMENTUM_RTOL, f"bf16 momentum of {k}, step {step}")
+    updated = [k for k in ref["sd"] if k != low_rank]
+    for k in updated:
+        got, want = r0["bf_sd"][k] - ref["init"][k], ref["sd"][k] - ref["init"][k]
+        assert_rel_close(got, want, BF16_UPDATE_RTOL, f"bf16 update of {k}")
+    # the update tolerance bites: a wrong option moves every Muon matrix's fp32 update by over twice as much
+    for wrong in (dict(nesterov=False), dict(adjust_lr_fn="match_rms_adamw"), dict(lr=1.5 * HP["lr"])):
+        alt = _reference(2, BF16_STEPS, batch_size=BF16_B, **wrong)
+        errs = [
+            rel_err(alt["sd"][k] - ref["init"][k], ref["sd"][k] - ref["init"][k])
+            for k in updated
+            if proj_predicate(k, ref["sd"][k])
+        ]
+        assert min(errs) > 2 * BF16_UPDATE_RTOL, (wrong, min(errs))
 
 
 def _errors(rank: int, world_size: int):
