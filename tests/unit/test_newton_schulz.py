@@ -336,8 +336,12 @@ def test_ns_cost_is_half_ns_flops():
         assert ns_flops(shape, 5) == 2 * ns_cost(shape, 5)
 
 
-def test_get_ns_backend_cpu():
+def test_get_ns_backend():
+    """Names the kernel and precision of the host's NS path, on either kind of host."""
     b = get_ns_backend()
-    assert isinstance(b, str) and "Direct NS" in b
-    if not torch.cuda.is_available():
-        assert "CPU" in b and "fp32" in b
+    assert isinstance(b, str) and b.startswith("Direct NS · kernel=torch.matmul")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        assert f"cuBLAS, SM{major}{minor}, bf16" in b and "CPU" not in b
+    else:
+        assert f"CPU, fp32, {torch.get_num_threads()} threads" in b and "cuBLAS" not in b

@@ -41,8 +41,25 @@ def test_resumed_run_keeps_absolute_steps(tmp_path):
 def test_disabled_is_a_noop(tmp_path):
     with maybe_enable_profiling(Profiling(enable_profiling=False, profile_freq=1), str(tmp_path)) as prof:
         prof.step()
-    with maybe_enable_memory_snapshot(Profiling(enable_memory_snapshot=True, profile_freq=1), str(tmp_path)) as snap:
-        snap.step()  # CPU build: no recorder, a no-op
+    with maybe_enable_memory_snapshot(Profiling(enable_memory_snapshot=False, profile_freq=1), str(tmp_path)) as snap:
+        snap.step()
         snap.step(exit_ctx=True)
-    if not torch.cuda.is_available():
-        assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_snapshot_where_cuda_is(tmp_path):
+    """Enabled: with CUDA a snapshot every profile_freq steps and one at exit; without CUDA (no recorder)
+    a no-op that writes nothing."""
+    cfg = Profiling(enable_memory_snapshot=True, profile_freq=2, save_memory_snapshot_folder="snaps")
+    with maybe_enable_memory_snapshot(cfg, str(tmp_path), global_step=0, rank=1) as snap:
+        for _ in range(3):
+            snap.step()
+        snap.step(exit_ctx=True)
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    if torch.cuda.is_available():
+        assert written == [
+            "snaps/iteration_2/rank1_memory_snapshot.pickle",
+            "snaps/iteration_3_exit/rank1_memory_snapshot.pickle",
+        ]
+    else:
+        assert written == []
