@@ -1,10 +1,14 @@
-"""Llama-3 model family: flavors (published Llama 3 / 3.1 / 3.2 sizes), builder, TP plan."""
+"""Llama-3 model family: flavors (published Llama 3 / 3.1 / 3.2 sizes), builder, TP plan, and its ModelSpec
+(registered as "llama3" when this package is imported)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from torch import nn
+
+from titan_dmuon.components.model import ModelSpec, register_model_spec
 
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
 from .parallelize import apply_tp
@@ -97,6 +101,27 @@ def build_model(
     return model
 
 
+def blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks, `layers.N`, in forward order."""
+    return [(f"layers.{name}", block) for name, block in model.layers.items()]
+
+
+# Muon takes the attention and feed-forward matrices of every block; embeddings, norms and the output use AdamW.
+MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
+
+SPEC = register_model_spec(
+    ModelSpec(
+        name="llama3",
+        flavors=llama3_configs,
+        build=build_model,
+        nparams_and_flops=get_nparams_and_flops,
+        blocks=blocks,
+        muon_params=MUON_PARAMS,
+        apply_tp=apply_tp,
+    )
+)
+
+
 __all__ = [
     "ModelArgs",
     "Transformer",
@@ -107,4 +132,7 @@ __all__ = [
     "apply_tp",
     "get_nparams_and_flops",
     "LLAMA3_VOCAB_SIZE",
+    "MUON_PARAMS",
+    "SPEC",
+    "blocks",
 ]
