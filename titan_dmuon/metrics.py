@@ -1,7 +1,8 @@
-"""Training metrics: one console line and TensorBoard scalars, written by rank 0 only.
+"""Training metrics: one console line and TensorBoard scalars (and text), written by rank 0 only.
 
-Scalar names are TensorBoard tags ("loss/train", "grad_norm", "lr", "throughput/tokens_per_sec", "mfu",
-"throughput/tflops", "memory/...", "dmuon/..."); the console line picks the common ones it knows.
+Scalar names are TensorBoard tags ("loss/train", "grad_norm", "lr/muon", "lr/adamw", "progress/tokens_seen",
+"progress/elapsed_s", "throughput/tokens_per_sec", "mfu", "throughput/tflops", "memory/...", and the optimizer
+component's own, e.g. "dmuon/..."); the console line picks the common ones it knows.
 """
 
 from __future__ import annotations
@@ -154,17 +155,29 @@ class MetricsLogger:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, float(value), step)
             self.writer.flush()
-        logger.info(self.format_line(step, scalars, self._eta_seconds(step)))
+        logger.info(self.format_line(step, scalars, self._eta_seconds(step), self.total_steps))
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        """A TensorBoard text entry (Markdown: indent `text` four spaces to show it verbatim)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+            self.writer.flush()
 
     @staticmethod
-    def format_line(step: int, scalars: dict[str, float], eta_s: float | None = None) -> str:
-        """`step: 5  loss: 2.3456  grad_norm: 1.2346  lr: 1.00e-02  tps: 12,345  mfu: 35.20%  ...`."""
-        parts = [f"step: {step:>4}"]
+    def format_line(
+        step: int, scalars: dict[str, float], eta_s: float | None = None, total_steps: int | None = None
+    ) -> str:
+        """`step:  5/30  loss: 2.3456  grad_norm: 1.2346  lr_muon: 1.00e-02  lr_adamw: 3.00e-03  tps: 12,345 ...`.
+
+        Each `lr/<kind>` scalar shows as `lr_<kind>`, in the order given."""
+        parts = [f"step: {step:>4}" + (f"/{total_steps}" if total_steps is not None else "")]
+        lrs = [(key, key.replace("/", "_")) for key in scalars if key == "lr" or key.startswith("lr/")]
         fmt = [
             ("loss/train", "loss", "{:.4f}"),
             ("grad_norm", "grad_norm", "{:.4f}"),
-            ("lr", "lr", "{:.2e}"),
+            *[(key, label, "{:.2e}") for key, label in lrs],
             ("throughput/tokens_per_sec", "tps", "{:,.0f}"),
+            ("progress/tokens_seen", "tokens", "{:,.0f}"),
             ("mfu", "mfu", "{:.2f}%"),
             ("throughput/tflops", "tflops", "{:.3f}"),
             ("loss/validation", "val_loss", "{:.4f}"),
@@ -180,6 +193,8 @@ class MetricsLogger:
             parts.append(mem)
         elif "memory/rss_gib" in scalars:
             parts.append(f"rss: {scalars['memory/rss_gib']:.2f}GiB")
+        if "progress/elapsed_s" in scalars:
+            parts.append(f"elapsed: {datetime.timedelta(seconds=round(scalars['progress/elapsed_s']))}")
         if eta_s is not None:
             parts.append(f"eta: {datetime.timedelta(seconds=round(eta_s))}")
         return "  ".join(parts)

@@ -1,11 +1,13 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
-    trainer = Trainer(cfg)   # device, dist, mesh, seed, tokenizer, model, parallelize, optimizer, lr, data,
-    try:                     # metrics (the profiler starts with train())
+    trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
+    try:                     # model, parallelize, optimizer, lr, data, metrics (the profiler starts with train())
         trainer.train()
     finally:
-        trainer.close()      # metrics, process group
+        trainer.close()      # optimizer component, metrics, process group
 
+The trainer knows neither the model family nor the optimizer: it asks the family's ModelSpec
+(titan_dmuon/components/model.py) and the optimizer component (titan_dmuon/components/optimizer/).
 Every rank runs the same steps and the same collectives; a non-finite loss or grad norm (identical on every
 rank after the reductions) stops all ranks at the same step with `TrainingDivergedError`, before the
 optimizer step.
@@ -14,7 +16,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
-import importlib
+import dataclasses
 import logging
 import math
 import os
@@ -22,14 +24,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.components.model import check_flavor, get_model_spec
+from titan_dmuon.components.optimizer import build_optimizer_component
+from titan_dmuon.config import ConfigError, JobConfig, dump_toml
 from titan_dmuon.data import build_dataloader, build_tokenizer
 from titan_dmuon.lr_scheduler import build_lr_scheduler
 from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
-from titan_dmuon.optimizer import build_optimizer
 from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
@@ -40,19 +41,13 @@ class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN/inf."""
 
 
-def _import_model_family(name: str):
-    try:
-        return importlib.import_module(f"models.{name}")
-    except ModuleNotFoundError:
-        raise ConfigError(f"model.name = {name!r}: no package models/{name}") from None
-
-
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.step = 0
         self._owns_process_group = False
         self.metrics: MetricsLogger | None = None
+        self.optim = None  # the optimizer component (self.optimizer is its torch.optim.Optimizer)
         try:
             self._build()
         except BaseException as e:  # e.g. a ConfigError found after dist init: leave no process group behind
@@ -62,6 +57,16 @@ class Trainer:
     def _build(self) -> None:
         cfg, t = self.cfg, self.cfg.training
 
+        # 0. The model family and the optimizer component, by name (config errors before any process group).
+        try:
+            self.spec = get_model_spec(cfg.model.name)
+        except ValueError as e:
+            raise ConfigError(f"model.name: {e}") from None
+        try:
+            check_flavor(self.spec, cfg.model.flavor)
+        except ValueError as e:
+            raise ConfigError(f"model.flavor: {e}") from None
+        self.optim = build_optimizer_component(cfg, self.spec)
         # 1. Device.
         self.device = self._init_device()
         # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group.
@@ -74,6 +79,7 @@ class Trainer:
         logger.info("%s; %s", cfg.job.description, self.dims.describe())
         # 4. Seed (the same on every rank: model init must agree) and determinism.
         self.seed = self._set_determinism()
+        logger.info("Seed %d%s", self.seed, " (training.seed unset: drawn at random)" if t.seed is None else "")
         # 5. Tokenizer.
         try:
             self.tokenizer = build_tokenizer(cfg.model.tokenizer)
@@ -83,14 +89,11 @@ class Trainer:
         #    THEN parallelized: DMuon's dedicate_params copies each owner's fp32 master out of the live values
         #    (and publishes the owner's value to its replicas), so the params must hold their initial values
         #    before it runs; TP's distribute_tensor likewise shards materialized tensors.
-        family = _import_model_family(cfg.model.name)
         try:
-            model = family.build_model(
-                cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, device="meta", max_seq_len=t.seq_len
-            )
+            model = self.spec.build(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
         except ValueError as e:
             raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: {e}") from None
-        self.num_params, self.flops_per_token = family.get_nparams_and_flops(model, t.seq_len)
+        self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
         model.to_empty(device=self.device)
         torch.manual_seed(self.seed)
         with torch.no_grad():
@@ -102,11 +105,10 @@ class Trainer:
             f"{self.num_params:,}",
             self.flops_per_token,
         )
-        # 7. Parallelize: TP -> AC -> compile -> DMuon -> FSDP2.
-        self.model = parallelize(model, self.dims, self.mesh, cfg, apply_tp=getattr(family, "apply_tp", None))
-        self.uses_dmuon = cfg.optimizer.name == "dmuon"
+        # 7. Parallelize: TP -> AC -> compile -> the optimizer's prepare (DMuon dedicates) -> FSDP2.
+        self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optim)
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = self.optim.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # 10. Data: this DP rank's windows of the packed stream (and the held-out split for validation).
         self.dataloader = build_dataloader(
@@ -122,8 +124,10 @@ class Trainer:
             seed=self.seed,
         )
         self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
-        # 11. Metrics (rank 0 writes).
+        # 11. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them.
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps)
+        if self.rank == 0:
+            self._save_config()
         self.peak_flops = get_peak_flops(self.device)
         self.max_norm = t.max_norm if t.max_norm > 0 else math.inf
 
@@ -159,6 +163,18 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         return seed
 
+    def _save_config(self) -> None:
+        """`<dump_folder>/config.toml` (and TensorBoard text "config"): the config this run trains with, with
+        the seed it used, so `--config` of that file repeats the run."""
+        resolved = dataclasses.replace(self.cfg, training=dataclasses.replace(self.cfg.training, seed=self.seed))
+        text = dump_toml(resolved)
+        os.makedirs(self.cfg.job.dump_folder, exist_ok=True)
+        path = os.path.join(self.cfg.job.dump_folder, "config.toml")
+        with open(path, "w") as f:
+            f.write(text)
+        self.metrics.log_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
+        logger.info("Config in %s", path)
+
     def _build_val_dataloader(self):
         t, v = self.cfg.training, self.cfg.validation
         if v.dataset:  # a dataset of its own: all of it is validation data (val_fraction=1 keeps one doc out
@@ -183,40 +199,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-    def _grad_sync(self, enabled: bool):
-        """No gradient communication on the micro-batches before the last one (grad accumulation)."""
-        if enabled:
-            return contextlib.nullcontext()
-        if self.uses_dmuon:
-            from titan_dmuon import dmuon
-
-            return dmuon.no_sync(self.model)  # DMuon's reduces and FSDP2's
-
-        @contextlib.contextmanager
-        def fsdp_no_sync():
-            self.model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.model.set_requires_gradient_sync(True)
-
-        return fsdp_no_sync()
-
-    def _clip_grad_norm(self) -> torch.Tensor:
-        """One global L2 norm over every grad (the same value on every rank); grads scaled to max_norm."""
-        if self.uses_dmuon:
-            from titan_dmuon import dmuon
-
-            return dmuon.clip_grad_norm_(self.model, self.optimizer, self.max_norm)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(total, DTensor):  # FSDP2/TP grads: a partial norm over the mesh -> the global value
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total)
-        return total
+        return self.spec.loss_fn(self.model(inputs), labels)
 
     def train_step(self, data_iter) -> tuple[float, float, int]:
         """One optimizer step over gradient_accumulation_steps micro-batches.
@@ -230,12 +213,13 @@ class Trainer:
         for i in range(accum):
             inputs, labels = next(data_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self._grad_sync(i == accum - 1):
+            # No gradient communication on the micro-batches before the last one (grad accumulation).
+            with self.optim.no_sync() if i < accum - 1 else contextlib.nullcontext():
                 loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
                 loss.backward()
             loss_sum += loss.detach()
             ntokens += labels.numel()
-        grad_norm = self._clip_grad_norm()
+        grad_norm = self.optim.clip_grad_norm_(self.max_norm)  # global: the same on every rank
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks.
         dist.all_reduce(loss_sum)
         loss_value, norm_value = torch.stack(
@@ -244,7 +228,7 @@ class Trainer:
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDivergedError(
                 f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
-                "(non-finite); stopping before the optimizer step. Lower optimizer.lr / optimizer.adamw_lr, "
+                "(non-finite); stopping before the optimizer step. Lower optimizer.muon.lr / optimizer.adamw.lr, "
                 "raise lr_scheduler.warmup_steps or lower training.max_norm"
             )
         self.optimizer.step()
@@ -285,32 +269,33 @@ class Trainer:
             maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler,
             maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot,
         ):
-            interval_start, interval_tokens = time.perf_counter(), 0
+            train_start = time.perf_counter()
+            interval_start, interval_tokens, tokens_seen = train_start, 0, 0
             while self.step < t.steps:
                 self.step += 1
-                # The lrs this step trains with (train_step advances the schedule): the first group's, and with
-                # DMuon each kind's (its first group is an AdamW one).
-                lr = self.lr_scheduler.get_last_lr()[0]
-                kind_lrs = {}
-                for group in self.optimizer.param_groups:
-                    if "kind" in group:
-                        kind_lrs.setdefault(f"lr/{group['kind']}", group["lr"])
+                # The lrs this step trains with (train_step advances the schedule): the first group's of each kind.
+                lrs: dict[str, float] = {}
+                for i, group in enumerate(self.optimizer.param_groups):
+                    lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
                 loss, grad_norm, ntokens = self.train_step(data_iter)
                 interval_tokens += ntokens
+                tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
-                    elapsed = time.perf_counter() - interval_start
-                    scalars.update({"loss/train": loss, "grad_norm": grad_norm, "lr": lr})
-                    scalars.update(kind_lrs)
+                    now = time.perf_counter()
+                    scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})
+                    scalars.update({"progress/tokens_seen": tokens_seen, "progress/elapsed_s": now - train_start})
                     # Per device: TP ranks process the same tokens.
                     scalars.update(
                         throughput_metrics(
-                            interval_tokens / self.dims.non_dp_size, elapsed, self.flops_per_token, self.peak_flops
+                            interval_tokens / self.dims.non_dp_size,
+                            now - interval_start,
+                            self.flops_per_token,
+                            self.peak_flops,
                         )
                     )
                     scalars.update(device_memory_stats(self.device))
-                    if self.uses_dmuon:
-                        scalars.update({f"dmuon/{k}": float(v) for k, v in self.optimizer.last_step_stats.items()})
+                    scalars.update(self.optim.step_stats())
                     interval_tokens = 0
                 if self.val_dataloader is not None and self.step % cfg.validation.freq == 0:
                     val_start = time.perf_counter()
@@ -325,17 +310,19 @@ class Trainer:
         logger.info("Training done: %d steps", self.step)
 
     def close(self, graceful: bool = True) -> None:
-        """Close the metrics writer and destroy the process group this trainer created.
+        """Close the optimizer component and the metrics writer, and destroy the process group this trainer
+        created.
 
         graceful=False (after an unexpected error) talks to no other rank: the peers may be gone or stuck.
         """
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.optim is not None:
+            if graceful and dist.is_initialized():  # e.g. an HSDP async publish may still be in flight
+                self.optim.close()
+            self.optim = None
         if self._owns_process_group and dist.is_initialized():
-            state = getattr(getattr(self, "model", None), "_dmuon_state", None)
-            if graceful and state is not None:  # an HSDP async publish may still be in flight: finish it
-                state.drain_publish()
             dist.destroy_process_group()
             self._owns_process_group = False
 

@@ -35,18 +35,18 @@ GLOBAL_BATCH = 8
 MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
 HPARAMS = {
     "optimizer.name": "dmuon",
-    "optimizer.lr": 0.01,
-    "optimizer.momentum": 0.95,
-    "optimizer.nesterov": True,
-    "optimizer.weight_decay": 0.1,
-    "optimizer.ns_steps": 5,
-    "optimizer.ns_coefficients": "polar_express",
-    "optimizer.eps": 1e-7,
-    "optimizer.adjust_lr_fn": "match_rms_adamw",
-    "optimizer.adamw_lr": 3e-3,
-    "optimizer.adamw_betas": (0.9, 0.95),
-    "optimizer.adamw_eps": 1e-8,
-    "optimizer.adamw_weight_decay": 0.01,
+    "optimizer.muon.lr": 0.01,
+    "optimizer.muon.momentum": 0.95,
+    "optimizer.muon.nesterov": True,
+    "optimizer.muon.weight_decay": 0.1,
+    "optimizer.muon.ns_steps": 5,
+    "optimizer.muon.ns_coefficients": "polar_express",
+    "optimizer.muon.eps": 1e-7,
+    "optimizer.muon.adjust_lr_fn": "match_rms_adamw",
+    "optimizer.adamw.lr": 3e-3,
+    "optimizer.adamw.betas": (0.9, 0.95),
+    "optimizer.adamw.eps": 1e-8,
+    "optimizer.adamw.weight_decay": 0.01,
     "optimizer.muon_params": MUON_PARAMS,
     "lr_scheduler.warmup_steps": 3,
     "lr_scheduler.decay_ratio": 0.5,  # 3 warmup, 3 stable, 6 decay steps
@@ -63,7 +63,8 @@ HPARAMS = {
     "model.flavor": "tinymodel",
     "model.tokenizer": "byte",
 }
-H = {k.split(".", 1)[1]: v for k, v in HPARAMS.items()}
+# Short names for the reference below: optimizer.muon.lr -> lr, optimizer.adamw.lr -> adamw_lr, training.seed -> seed.
+H = {k.split(".", 1)[1].replace("muon.", "").replace("adamw.", "adamw_"): v for k, v in HPARAMS.items()}
 RTOL = 1e-5
 
 

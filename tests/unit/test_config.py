@@ -7,13 +7,13 @@ from titan_dmuon.config import (
     ConfigError,
     JobConfig,
     config_from_dict,
+    dump_toml,
     load_toml,
     parse_args,
     parse_args_or_exit,
     validate_config,
     validate_parallelism,
 )
-from titan_dmuon.config.job_config import DEFAULT_MUON_PARAMS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,11 +29,12 @@ def test_defaults():
     assert cfg == JobConfig()
     assert cfg.job.dump_folder == "./outputs"
     assert (cfg.model.name, cfg.model.flavor, cfg.model.tokenizer) == ("llama3", "debugmodel", "byte")
-    o = cfg.optimizer
-    assert (o.name, o.lr, o.momentum, o.nesterov, o.weight_decay, o.ns_steps) == ("dmuon", 0.02, 0.95, True, 0.0, 5)
-    assert (o.ns_coefficients, o.eps, o.adjust_lr_fn) == ("polar_express", 1e-7, "match_rms_adamw")
-    assert (o.adamw_lr, o.adamw_betas, o.adamw_eps, o.adamw_weight_decay) == (1e-3, (0.9, 0.95), 1e-8, 0.01)
-    assert (o.ns_dtype, o.tp_distributed_gram, o.muon_params) == ("", False, DEFAULT_MUON_PARAMS)
+    o, m, a, d = cfg.optimizer, cfg.optimizer.muon, cfg.optimizer.adamw, cfg.optimizer.dmuon
+    assert (o.name, o.muon_params) == ("dmuon", "")  # "" = the model family's Muon params
+    assert (m.lr, m.momentum, m.nesterov, m.weight_decay, m.ns_steps) == (0.02, 0.95, True, 0.0, 5)
+    assert (m.ns_coefficients, m.eps, m.adjust_lr_fn, m.ns_dtype) == ("polar_express", 1e-7, "match_rms_adamw", "")
+    assert (a.lr, a.betas, a.eps, a.weight_decay) == (1e-3, (0.9, 0.95), 1e-8, 0.01)
+    assert (d.reshard_after_forward, d.replicate_async, d.tp_distributed_gram) == (True, True, False)
     assert cfg.lr_scheduler.decay_ratio is None
     t = cfg.training
     assert (t.max_norm, t.gradient_accumulation_steps, t.seed, t.dataset, t.dataset_field) == (
@@ -45,7 +46,7 @@ def test_defaults():
     )
     p = cfg.parallelism
     assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree) == (1, -1, 1)
-    assert (p.dmuon_reshard_after_forward, p.replicate_async, p.fsdp_reshard_after_forward) == (True, True, "default")
+    assert p.fsdp_reshard_after_forward == "default"
     assert (cfg.activation_checkpoint.mode, cfg.compile.enable) == ("none", False)
     assert (cfg.metrics.log_freq, cfg.metrics.enable_tensorboard, cfg.metrics.save_tb_folder) == (10, True, "tb")
     assert (cfg.profiling.enable_profiling, cfg.profiling.profile_freq) == (False, 100)
@@ -81,8 +82,10 @@ steps = 7
 seed = 3
 [optimizer]
 name = "adamw"
+[optimizer.muon]
 lr = 1          # int accepted for a float
-adamw_betas = [0.8, 0.99]
+[optimizer.adamw]
+betas = [0.8, 0.99]
 [lr_scheduler]
 decay_ratio = 0.25
 decay_type = "cosine"
@@ -91,8 +94,9 @@ decay_type = "cosine"
     cfg = load_toml(path)
     assert cfg.training.steps == 7 and cfg.training.seed == 3
     assert cfg.optimizer.name == "adamw"
-    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
-    assert cfg.optimizer.adamw_betas == (0.8, 0.99)
+    assert cfg.optimizer.muon.lr == 1.0 and isinstance(cfg.optimizer.muon.lr, float)
+    assert cfg.optimizer.adamw.betas == (0.8, 0.99)
+    assert cfg.optimizer.adamw.lr == 1e-3  # untouched keys of a sub-table keep defaults
     assert (cfg.lr_scheduler.decay_ratio, cfg.lr_scheduler.decay_type) == (0.25, "cosine")
     assert cfg.training.local_batch_size == 8  # untouched keys keep defaults
     assert parse_args(["--config", path]) == cfg
@@ -101,11 +105,11 @@ decay_type = "cosine"
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
     path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[compile]\nenable = true\n")
-    cfg = parse_args(["--training.steps", "5", "--config", path, "--optimizer.adamw_betas", "0.5", "0.6"])
+    cfg = parse_args(["--training.steps", "5", "--config", path, "--optimizer.adamw.betas", "0.5", "0.6"])
     assert cfg.training.steps == 5  # CLI
     assert cfg.training.seq_len == 64  # TOML
     assert cfg.training.local_batch_size == 8  # default
-    assert cfg.optimizer.adamw_betas == (0.5, 0.6)
+    assert cfg.optimizer.adamw.betas == (0.5, 0.6)
     assert cfg.compile.enable is True
     # dashes and underscores, TOML-style and Python-style booleans
     cfg = parse_args(
@@ -119,11 +123,15 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
             "--metrics.enable_tensorboard=False",
             "--training.seed",
             "None",
+            "--optimizer.dmuon.replicate-async",
+            "FALSE",
+            "--optimizer.muon.nesterov=false",
         ]
     )
     assert cfg.training.local_batch_size == 3
     assert cfg.compile.enable is False and cfg.metrics.enable_tensorboard is False
     assert cfg.training.seed is None
+    assert cfg.optimizer.dmuon.replicate_async is False and cfg.optimizer.muon.nesterov is False
 
 
 def test_unknown_section_and_key(tmp_path):
@@ -142,6 +150,15 @@ def test_unknown_section_and_key(tmp_path):
     path = write(tmp_path, "[optimizer]\nwarmup_steps = 5\n")
     with pytest.raises(ConfigError, match=r"optimizer\.warmup_steps.*did you mean lr_scheduler\.warmup_steps"):
         load_toml(path)
+    # sub-tables: a key of the old flat [optimizer] layout points to its sub-table, typos inside one too
+    for text, pattern in [
+        ("[optimizer]\nlr = 0.01\n", r"optimizer\.lr.*did you mean optimizer\.muon\.lr\?"),
+        ("[optimizer]\nadamw_lr = 0.01\n", r"optimizer\.adamw_lr.*did you mean optimizer\.adamw\.lr\?"),
+        ("[optimizer.muon]\nmomentun = 0.9\n", r"optimizer\.muon\.momentun.*did you mean optimizer\.muon\.momentum"),
+        ("[optimizer]\nmuon = 3\n", r"\[optimizer\.muon\].*must be a table"),
+    ]:
+        with pytest.raises(ConfigError, match=pattern):
+            load_toml(write(tmp_path, text))
 
 
 def test_wrong_type(tmp_path):
@@ -153,8 +170,8 @@ def test_wrong_type(tmp_path):
 
     with pytest.raises(ConfigError, match=r"compile\.enable.*expected bool.*1"):
         config_from_dict({"compile": {"enable": 1}})
-    with pytest.raises(ConfigError, match=r"optimizer\.adamw_betas.*expected array of float, float"):
-        config_from_dict({"optimizer": {"adamw_betas": [0.9]}})
+    with pytest.raises(ConfigError, match=r"optimizer\.adamw\.betas.*expected array of float, float"):
+        config_from_dict({"optimizer": {"adamw": {"betas": [0.9]}}})
     with pytest.raises(ConfigError, match=r"training\.steps.*expected int.*2\.5"):
         config_from_dict({"training": {"steps": 2.5}})
     with pytest.raises(ConfigError, match=r"\[training\].*must be a table"):
@@ -167,14 +184,12 @@ def test_invalid_choice(tmp_path):
         load_toml(path)
     msg = str(e.value)
     assert "lr_scheduler.decay_type" in msg and "'exp'" in msg and "'linear', 'cosine', 'sqrt'" in msg
-    with pytest.raises(ConfigError, match=r"optimizer\.name.*'dmuon', 'adamw'"):
-        config_from_dict({"optimizer": {"name": "sgd"}})
     with pytest.raises(ConfigError, match=r"activation_checkpoint\.mode.*'none', 'selective', 'full'"):
         config_from_dict({"activation_checkpoint": {"mode": "op"}})
     # validate_config catches what Python code set directly
     cfg = JobConfig()
-    cfg.optimizer.adjust_lr_fn = "rms"
-    with pytest.raises(ConfigError, match=r"optimizer\.adjust_lr_fn.*'match_rms_adamw', 'original'"):
+    cfg.optimizer.muon.adjust_lr_fn = "rms"
+    with pytest.raises(ConfigError, match=r"optimizer\.muon\.adjust_lr_fn.*'match_rms_adamw', 'original'"):
         validate_config(cfg)
 
 
@@ -185,6 +200,8 @@ def test_range_validation(tmp_path):
         (["--optimizer.muon_params", "("], r"muon_params is not a valid regex"),
         (["--training.dataset", "jsonl"], r"dataset_path is required"),
         (["--parallelism.data_parallel_shard_degree", "0"], r"-1 or >= 1"),
+        (["--optimizer.muon.momentum", "1"], r"optimizer\.muon\.momentum must be in \[0, 1\)"),
+        (["--optimizer.adamw.lr", "-1"], r"optimizer\.adamw\.lr must be >= 0"),
     ]:
         with pytest.raises(ConfigError, match=pattern):
             parse_args(argv)
@@ -213,6 +230,7 @@ def test_help_shows_field_docs(capsys):
     out = capsys.readouterr().out
     assert "--training.local-batch-size" in out or "--training.local_batch_size" in out
     assert "Sequences per data-parallel rank" in out
+    assert "--optimizer.muon.lr" in out and "Muon learning rate" in out
 
 
 def test_validate_parallelism():
@@ -240,17 +258,40 @@ def test_shipped_configs_load(path):
 
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    for section, table in data.items():
+
+    def check(obj, table, path):
         for key, value in table.items():
-            got = getattr(getattr(cfg, section), key)
-            assert got == (tuple(value) if isinstance(value, list) else value), f"{section}.{key}"
+            got = getattr(obj, key)
+            if isinstance(value, dict):  # a sub-table, e.g. [optimizer.muon]
+                check(got, value, f"{path}.{key}")
+            else:
+                assert got == (tuple(value) if isinstance(value, list) else value), f"{path}.{key}"
+
+    for section, table in data.items():
+        check(getattr(cfg, section), table, section)
 
 
 def test_shipped_debug_config_values():
     cfg = parse_args(["--config", str(REPO / "train_configs" / "debug_model.toml")])
     t, o = cfg.training, cfg.optimizer
     assert (t.local_batch_size, t.seq_len, t.steps, t.dataset) == (8, 128, 30, "stdlib")
-    assert (o.name, o.lr, o.adjust_lr_fn, o.adamw_lr) == ("dmuon", 0.01, "match_rms_adamw", 3e-3)
+    assert (o.name, o.muon_params, o.muon.lr, o.muon.adjust_lr_fn, o.adamw.lr) == (
+        "dmuon",
+        "",
+        0.01,
+        "match_rms_adamw",
+        3e-3,
+    )
     assert cfg.lr_scheduler.warmup_steps == 5
     assert (cfg.metrics.enable_tensorboard, cfg.metrics.log_freq) == (True, 1)
     assert dataclasses.asdict(cfg)  # plain data, loggable
+
+
+def test_dump_toml_round_trips(tmp_path):
+    """The resolved config a run saves (<dump_folder>/config.toml) loads back to the same config."""
+    cfg = parse_args(
+        ["--config", str(REPO / "train_configs" / "llama3_70b.toml"), "--optimizer.muon_params", r"^a\.\d+\.w$"]
+    )
+    text = dump_toml(cfg)
+    assert "[optimizer.muon]" in text and "# seed: unset" in text
+    assert load_toml(write(tmp_path, text)) == cfg

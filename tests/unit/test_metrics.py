@@ -126,3 +126,26 @@ def test_memory_stats_cuda_device():
         assert 0 <= stats["memory/max_reserved_pct"] <= 100
     else:
         assert set(stats) == {"memory/rss_gib", "memory/max_rss_gib"}
+
+
+def test_console_line_names_both_lrs_progress_and_total(tmp_path, caplog):
+    m = MetricsLogger(Metrics(), str(tmp_path), rank=0, total_steps=30, clock=FakeClock())
+    scalars = {
+        "loss/train": 2.5,
+        "lr/muon": 0.01,
+        "lr/adamw": 3e-3,
+        "progress/tokens_seen": 40960.0,
+        "progress/elapsed_s": 83.4,
+    }
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+        m.log(5, scalars)
+    m.log_text("config", "    [job]\n    dump_folder = 'x'\n")
+    m.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert line.startswith("step:    5/30  loss: 2.5000")
+    assert "lr_muon: 1.00e-02  lr_adamw: 3.00e-03" in line
+    assert "tokens: 40,960" in line and "elapsed: 0:01:23" in line
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert "config/text_summary" in acc.Tags()["tensors"]
+    assert {"lr/muon", "lr/adamw", "progress/tokens_seen"} <= set(acc.Tags()["scalars"])

@@ -1,4 +1,4 @@
-"""ParallelDims degrees, the Muon predicate and activation checkpointing that keeps FQNs (one process)."""
+"""ParallelDims degrees, the default Muon predicate and activation checkpointing that keeps FQNs (one process)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama3 import build_model
+from models.llama3 import MUON_PARAMS, blocks, build_model
+from titan_dmuon.components.optimizer import muon_predicate
 from titan_dmuon.config import ConfigError, JobConfig
-from titan_dmuon.config.job_config import DEFAULT_MUON_PARAMS
-from titan_dmuon.parallel import ParallelDims, apply_ac, muon_predicate
+from titan_dmuon.parallel import ParallelDims, apply_ac
 
 
 def _cfg(replicate=1, shard=-1, tp=1) -> JobConfig:
@@ -49,7 +49,7 @@ def test_parallel_dims_errors_name_the_key() -> None:
 
 def test_default_muon_predicate_selects_block_matrices_only() -> None:
     model = build_model("tinymodel", vocab_size=64)  # meta: names and shapes only
-    pred = muon_predicate(DEFAULT_MUON_PARAMS)
+    pred = muon_predicate(MUON_PARAMS)
     selected = sorted(n for n, p in model.named_parameters() if pred(n, p))
     per_block = [
         "attention.wk.weight",
@@ -71,7 +71,7 @@ def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None
     torch.manual_seed(0)
     ref = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=3, max_seq_len=16)
     model = copy.deepcopy(ref)
-    assert apply_ac(model, mode) == expect
+    assert apply_ac(blocks(model), mode) == expect
     # The module tree is untouched: same FQNs (DMuon's hook boundaries and the muon_params regex rely on it).
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
@@ -85,3 +85,15 @@ def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None
     model.layers["0"].register_forward_pre_hook(lambda mod, args: calls.append("pre"))
     model(tokens)
     assert calls == ["pre"]
+
+
+def test_family_without_tp_plan_is_a_config_error() -> None:
+    from types import SimpleNamespace
+
+    from titan_dmuon.components.model import get_model_spec
+    from titan_dmuon.parallel.parallelize import apply_tensor_parallel
+
+    spec = get_model_spec("tiny_mlp")
+    model = spec.build("tinymodel", vocab_size=64)
+    with pytest.raises(ConfigError, match="tensor_parallel_degree = 2: model family tiny_mlp has no TP plan"):
+        apply_tensor_parallel(model, SimpleNamespace(size=lambda: 2), JobConfig(), spec)

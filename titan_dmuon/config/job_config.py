@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DEFAULT_MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
-
 
 @dataclass
 class Job:
@@ -23,19 +21,17 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family, a package under models/."""
+    """Model family: a registered ModelSpec (models/<name> registers itself; models/README.md adds one)."""
     flavor: str = "debugmodel"
-    """Model size preset of that family (e.g. debugmodel, 8B, 70B)."""
+    """Size preset of that family (its ModelSpec's flavors, e.g. debugmodel, 8B, 70B)."""
     tokenizer: str = "byte"
     """Tokenizer: "byte" for the built-in byte-level tokenizer, else a path to a Hugging Face tokenizer.json."""
 
 
 @dataclass
-class Optimizer:
-    name: Literal["dmuon", "adamw"] = "dmuon"
-    """Optimizer: "dmuon" = Muon on the params matched by muon_params (each updated by one owner rank) and AdamW on the
-    rest. "adamw": plain AdamW on every param with the adamw_* settings (lr, momentum and ns_* unused).
-    """
+class MuonConfig:
+    """[optimizer.muon]: the Muon half of "dmuon" and "muon_naive" (the same update rule in both)."""
+
     lr: float = 0.02
     """Muon learning rate (before adjust_lr_fn scaling and the lr schedule)."""
     momentum: float = 0.95
@@ -54,22 +50,59 @@ class Optimizer:
     """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)), lets Muon reuse AdamW lrs) or "original"
     (sqrt(max(1, rows/cols))).
     """
-    adamw_lr: float = 1e-3
-    """AdamW learning rate of the non-Muon params (embeddings, norms, output), and of all params for name="adamw"."""
-    adamw_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW (beta1, beta2)."""
-    adamw_eps: float = 1e-8
-    """AdamW epsilon."""
-    adamw_weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
     ns_dtype: Literal["", "float32", "bfloat16"] = ""
     """Newton-Schulz precision; empty keeps the library default (float32 on CPU, bfloat16 on CUDA)."""
+
+
+@dataclass
+class AdamWConfig:
+    """[optimizer.adamw]: AdamW for the params Muon does not take (all of them for name = "adamw")."""
+
+    lr: float = 1e-3
+    """AdamW learning rate: of the non-Muon params (embeddings, norms, output), or of every param for "adamw"."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+
+
+@dataclass
+class DMuonConfig:
+    """[optimizer.dmuon]: how DMuon distributes the Muon matrices (used by name = "dmuon" only)."""
+
+    reshard_after_forward: bool = True
+    """Free the gathered dedicated params after forward and broadcast them again for backward (DMuon-Z3); false keeps
+    them from forward to backward (DMuon-Z2: one broadcast per step, more memory).
+    """
+    replicate_async: bool = True
+    """With HSDP, publish the updated dedicated params over the replicate axis asynchronously (overlapped with the
+    next forward) instead of before the step returns.
+    """
     tp_distributed_gram: bool = False
     """With tensor parallelism, compute the Newton-Schulz Gram matrix across the TP ranks instead of gathering the full
     matrix on the TP owner.
     """
-    muon_params: str = DEFAULT_MUON_PARAMS
-    """Regex over parameter FQNs (as in model.named_parameters()) selecting the Muon params; others use AdamW."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "dmuon"
+    """Optimizer component (titan_dmuon/components/optimizer/): "dmuon" = Muon on the muon_params matrices, each
+    updated by one owner rank, AdamW on the rest; "muon_naive" = the same update with every matrix FSDP2-sharded, its
+    grad all-gathered and Newton-Schulz run on every rank (the baseline); "adamw" = AdamW on every param.
+    """
+    muon_params: str = ""
+    """Regex over parameter FQNs (as in model.named_parameters()) selecting the 2D Muon params; the others use AdamW.
+    Empty = the model family's default (its block matrices).
+    """
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon settings, for "dmuon" and "muon_naive"."""
+    adamw: AdamWConfig = field(default_factory=AdamWConfig)
+    """AdamW settings, for every optimizer."""
+    dmuon: DMuonConfig = field(default_factory=DMuonConfig)
+    """DMuon's distribution settings, for "dmuon"."""
 
 
 @dataclass
@@ -128,19 +161,13 @@ class Parallelism:
     """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed
     again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2).
     """
-    dmuon_reshard_after_forward: bool = True
-    """Free the gathered DMuon (dedicated) params after forward and gather them again for backward."""
-    replicate_async: bool = True
-    """With HSDP, publish the updated DMuon params over the replicate axis asynchronously (overlapped with the next
-    forward) instead of before the step returns.
-    """
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
     """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other
-    block: layers 0, 2, 4, ...) or "full" (every block).
+    block of the model family: blocks 0, 2, 4, ...) or "full" (every block).
     """
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import sys
@@ -89,6 +90,24 @@ def _fields(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+def _is_table(tp: Any) -> bool:
+    """A field holding a dataclass is a sub-table (`[optimizer.muon]`), not a value."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _leaves(cls: type, prefix: str) -> dict[str, Any]:
+    """Every value field under `cls` by dotted path (`optimizer.muon.lr`), sub-tables flattened."""
+    out = {}
+    for name, tp in _fields(cls).items():
+        path = f"{prefix}.{name}"
+        out.update(_leaves(tp, path) if _is_table(tp) else {path: tp})
+    return out
+
+
+def _all_leaves() -> dict[str, Any]:
+    return {k: v for section, cls in _sections().items() for k, v in _leaves(cls, section).items()}
+
+
 def _bad_value_message(key: str, value: Any, tp: Any, where: str) -> str:
     if typing.get_origin(tp) is Literal:
         allowed = ", ".join(repr(a) for a in typing.get_args(tp))
@@ -105,10 +124,53 @@ def _closest(name: str, candidates: Sequence[str]) -> str | None:
 # TOML
 
 
+def _unknown_key_message(path: str, key: str, where: str) -> str:
+    """Name the closest valid key: the same name in another table (a misplaced key), else a near miss under
+    this table, else a near miss anywhere."""
+    all_keys = list(_all_leaves())
+    hint = next((k for k in all_keys if k.rsplit(".", 1)[1] == key), None)
+    if hint is None:
+        here = [k for k in all_keys if k.startswith(f"{path}.")]
+        hint = _closest(f"{path}.{key}", here) or _closest(f"{path}.{key}", all_keys)
+    msg = f"unknown key {path}.{key}{where}"
+    if hint:
+        return msg + f"; did you mean {hint}?"
+    cls = _table_class(path)
+    return msg + f"; valid keys: {', '.join(_fields(cls))}"
+
+
+def _table_class(path: str) -> type:
+    section, *subs = path.split(".")
+    cls = _sections()[section]
+    for sub in subs:
+        cls = _fields(cls)[sub]
+    return cls
+
+
+def _build_table(cls: type, table: dict[str, Any], path: str, where: str) -> Any:
+    """An instance of the dataclass `cls` from a TOML table at `path`; sub-tables recurse."""
+    fields = _fields(cls)
+    values = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(path, key, where))
+        tp = fields[key]
+        if _is_table(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{path}.{key}]{where} must be a table of keys, got {value!r}")
+            values[key] = _build_table(tp, value, f"{path}.{key}", where)
+            continue
+        ok, converted = _coerce(value, tp)
+        if not ok:
+            raise ConfigError(_bad_value_message(f"{path}.{key}", value, tp, where))
+        values[key] = converted
+    return cls(**values)
+
+
 def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
-    """JobConfig from a {section: {key: value}} dict (a parsed TOML file named `source`)."""
+    """JobConfig from a {section: {key: value}} dict (a parsed TOML file named `source`); a dataclass field is a
+    sub-table ({section: {sub: {key: value}}}, `[section.sub]` in TOML)."""
     sections = _sections()
-    all_keys = [f"{s}.{k}" for s, cls in sections.items() for k in _fields(cls)]
     where = f" in {source}"
     built = {}
     for section, table in data.items():
@@ -120,23 +182,7 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> JobConfig:
             )
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}]{where} must be a table of keys, got {table!r}")
-        fields = _fields(sections[section])
-        values = {}
-        for key, value in table.items():
-            if key not in fields:
-                # The same name in another section (misplaced key), else a near miss in this section,
-                # else a near miss anywhere.
-                hint = next((k for k in all_keys if k.split(".", 1)[1] == key), None)
-                if hint is None:
-                    near = _closest(key, list(fields))
-                    hint = f"{section}.{near}" if near else _closest(f"{section}.{key}", all_keys)
-                msg = f"unknown key {section}.{key}{where}"
-                raise ConfigError(msg + (f"; did you mean {hint}?" if hint else f"; valid keys: {', '.join(fields)}"))
-            ok, converted = _coerce(value, fields[key])
-            if not ok:
-                raise ConfigError(_bad_value_message(f"{section}.{key}", value, fields[key], where))
-            values[key] = converted
-        built[section] = sections[section](**values)
+        built[section] = _build_table(sections[section], table, section, where)
     return JobConfig(**built)
 
 
@@ -153,6 +199,40 @@ def load_toml(path: str | os.PathLike) -> JobConfig:
     return config_from_dict(data, source=path)
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)  # int, float (repr round-trips; inf and nan are TOML too)
+
+
+def _dump_table(obj: Any, path: str, lines: list[str]) -> None:
+    lines.append(f"[{path}]")
+    subs = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            subs.append((f.name, value))
+        elif value is None:  # TOML has no null: leave the key out (its default is None)
+            lines.append(f"# {f.name}: unset")
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    lines.append("")
+    for name, value in subs:
+        _dump_table(value, f"{path}.{name}", lines)
+
+
+def dump_toml(cfg: JobConfig) -> str:
+    """The whole config as TOML, every field spelled out: `load_toml` of it gives `cfg` back."""
+    lines: list[str] = []
+    for section in _sections():
+        _dump_table(getattr(cfg, section), section, lines)
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Validation
 
@@ -162,14 +242,24 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_types(obj: Any, cls: type, path: str) -> None:
+    _check(isinstance(obj, cls), f"{path} must be a {cls.__name__}, got {obj!r}")
+    for key, tp in _fields(cls).items():
+        value = getattr(obj, key)
+        if _is_table(tp):
+            _check_types(value, tp, f"{path}.{key}")
+        else:
+            _check(_coerce(value, tp)[0], _bad_value_message(f"{path}.{key}", value, tp, ""))
+
+
 def validate_config(cfg: JobConfig) -> JobConfig:
-    """Types and choices of every field, then the ranges that would otherwise fail deep in a run."""
+    """Types and choices of every field, then the ranges that would otherwise fail deep in a run.
+
+    Names (optimizer.name, model.name, model.flavor) are checked against their registries when the trainer
+    starts: the registries import torch and the model families.
+    """
     for section, section_cls in _sections().items():
-        obj = getattr(cfg, section)
-        _check(isinstance(obj, section_cls), f"{section} must be a {section_cls.__name__}, got {obj!r}")
-        for key, tp in _fields(section_cls).items():
-            value = getattr(obj, key)
-            _check(_coerce(value, tp)[0], _bad_value_message(f"{section}.{key}", value, tp, ""))
+        _check_types(getattr(cfg, section), section_cls, section)
 
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     for key, value in [
@@ -177,7 +267,7 @@ def validate_config(cfg: JobConfig) -> JobConfig:
         ("training.seq_len", t.seq_len),
         ("training.steps", t.steps),
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
-        ("optimizer.ns_steps", o.ns_steps),
+        ("optimizer.muon.ns_steps", o.muon.ns_steps),
         ("metrics.log_freq", cfg.metrics.log_freq),
         ("profiling.profile_freq", cfg.profiling.profile_freq),
         ("validation.freq", cfg.validation.freq),
@@ -191,18 +281,18 @@ def validate_config(cfg: JobConfig) -> JobConfig:
         f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}",
     )
     for key, value in [
-        ("optimizer.lr", o.lr),
-        ("optimizer.adamw_lr", o.adamw_lr),
-        ("optimizer.eps", o.eps),
-        ("optimizer.adamw_eps", o.adamw_eps),
-        ("optimizer.weight_decay", o.weight_decay),
-        ("optimizer.adamw_weight_decay", o.adamw_weight_decay),
+        ("optimizer.muon.lr", o.muon.lr),
+        ("optimizer.adamw.lr", o.adamw.lr),
+        ("optimizer.muon.eps", o.muon.eps),
+        ("optimizer.adamw.eps", o.adamw.eps),
+        ("optimizer.muon.weight_decay", o.muon.weight_decay),
+        ("optimizer.adamw.weight_decay", o.adamw.weight_decay),
         ("training.max_norm", t.max_norm),
         ("lr_scheduler.warmup_steps", s.warmup_steps),
     ]:
         _check(value >= 0, f"{key} must be >= 0, got {value}")
-    _check(0 <= o.momentum < 1, f"optimizer.momentum must be in [0, 1), got {o.momentum}")
-    _check(all(0 <= b < 1 for b in o.adamw_betas), f"optimizer.adamw_betas must be in [0, 1), got {o.adamw_betas}")
+    _check(0 <= o.muon.momentum < 1, f"optimizer.muon.momentum must be in [0, 1), got {o.muon.momentum}")
+    _check(all(0 <= b < 1 for b in o.adamw.betas), f"optimizer.adamw.betas must be in [0, 1), got {o.adamw.betas}")
     _check(
         s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
         f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}",
@@ -270,7 +360,7 @@ def _split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def _normalize_bools(argv: list[str]) -> list[str]:
     """Accept TOML-style true/false (any case) for bool flags; tyro only takes True/False."""
-    bool_flags = {f"--{s}.{k}" for s, cls in _sections().items() for k, tp in _fields(cls).items() if tp is bool}
+    bool_flags = {f"--{path}" for path, tp in _all_leaves().items() if tp is bool}
     out = []
     for i, arg in enumerate(argv):
         flag, eq, val = arg.partition("=")

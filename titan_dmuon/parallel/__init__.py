@@ -1,15 +1,13 @@
-"""Parallelism: ParallelDims -> one DeviceMesh; parallelize(model): TP -> AC -> compile -> DMuon -> FSDP2."""
+"""Parallelism: ParallelDims -> one DeviceMesh; parallelize(model): TP -> AC -> compile -> optimizer -> FSDP2."""
 
 from .parallel_dims import MESH_DIM_NAMES, ParallelDims
-from .parallelize import apply_ac, apply_compile, apply_dmuon, apply_fsdp, muon_predicate, parallelize
+from .parallelize import apply_ac, apply_compile, apply_fsdp, parallelize
 
 __all__ = [
     "MESH_DIM_NAMES",
     "ParallelDims",
     "apply_ac",
     "apply_compile",
-    "apply_dmuon",
     "apply_fsdp",
-    "muon_predicate",
     "parallelize",
 ]

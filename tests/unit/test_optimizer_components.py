@@ -1,0 +1,161 @@
+"""The optimizer components (dmuon, muon_naive, adamw) through the protocol the trainer uses, in one process
+on a 1-rank gloo group: prepare inside parallelize, build, no_sync, clip, step_stats, a state_dict round trip,
+close; and muon_naive's update equal to dmuon.Muon's for the same options."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titan_dmuon.components.model import get_model_spec
+from titan_dmuon.components.optimizer import (
+    NaiveMuon,
+    OptimizerComponent,
+    available_optimizers,
+    build_optimizer_component,
+    get_optimizer_component,
+)
+from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.parallel import ParallelDims, parallelize
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+_MATRICES = [f"attention.{w}" for w in ("wk", "wo", "wq", "wv")] + [f"feed_forward.w{i}" for i in (1, 2, 3)]
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cfg(name: str, **muon) -> JobConfig:
+    cfg = JobConfig()
+    cfg.optimizer.name = name
+    cfg.model.flavor = "tinymodel"
+    cfg.training.seq_len = SEQ
+    for key, value in muon.items():
+        setattr(cfg.optimizer.muon, key, value)
+    return cfg
+
+
+def _build(cfg: JobConfig, dims: ParallelDims) -> tuple[torch.nn.Module, OptimizerComponent]:
+    spec = get_model_spec(cfg.model.name)
+    model = spec.build(cfg.model.flavor, vocab_size=VOCAB, max_seq_len=SEQ)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    component = build_optimizer_component(cfg, spec)
+    parallelize(model, dims, dims.build_mesh("cpu"), cfg, spec, component)
+    component.build()
+    return model, component
+
+
+def _batch(step: int) -> torch.Tensor:
+    """Two batches in turn: random tokens the model can only learn by memorizing them (the loss falls)."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
+
+
+def _train_step(model, component: OptimizerComponent, step: int, max_norm: float = 1.0) -> tuple[float, float]:
+    """Two micro-batches (the first under no_sync), clip, step: as the trainer does."""
+    spec = component.spec
+    component.optimizer.zero_grad()
+    total = 0.0
+    for i, half in enumerate(_batch(step).chunk(2)):
+        with component.no_sync() if i == 0 else torch.enable_grad():
+            loss = spec.loss_fn(model(half[:, :-1]), half[:, 1:]) / 2
+            loss.backward()
+        total += loss.item()
+    norm = component.clip_grad_norm_(max_norm).item()
+    component.optimizer.step()
+    return total, norm
+
+
+def test_registry_lists_the_three() -> None:
+    assert available_optimizers() == ["adamw", "dmuon", "muon_naive"]
+    with pytest.raises(ValueError, match=r"unknown optimizer 'sgd'; registered optimizers: adamw, dmuon, muon_naive"):
+        get_optimizer_component("sgd")
+    with pytest.raises(ConfigError, match=r"optimizer\.name: unknown optimizer 'sgd'"):
+        build_optimizer_component(_cfg("sgd"), get_model_spec("llama3"))
+
+
+@pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
+def test_protocol(one_rank, name) -> None:
+    model, component = _build(_cfg(name), one_rank)
+    opt = component.optimizer
+    kinds = sorted({g["kind"] for g in opt.param_groups})
+    assert kinds == (["adamw"] if name == "adamw" else ["adamw", "muon"])
+    # FSDP2 manages every param but DMuon's dedicated matrices (passed to fully_shard as ignored_params).
+    plain = sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+    assert plain == ([f"layers.{i}.{m}.weight" for i in range(2) for m in _MATRICES] if name == "dmuon" else [])
+    losses = [_train_step(model, component, step)[0] for step in range(6)]
+    assert losses[-1] < losses[0]
+    stats = component.step_stats()
+    # One rank: no collective moves anything, so no byte series; the Muon ones count their Newton-Schulz runs.
+    expected = {"adamw": set(), "dmuon": {"dmuon/ns_calls", "dmuon/ns_time_s"}}
+    assert set(stats) == expected.get(name, {"muon_naive/ns_calls", "muon_naive/ns_time_s"})
+    if name != "adamw":
+        assert stats[f"{name}/ns_calls"] == 14.0
+    component.close()
+
+
+def _state_tensors(sd: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for fqn, entry in sd["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{fqn}/{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return out
+
+
+@pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
+def test_state_dict_round_trip(one_rank, name) -> None:
+    """state_dict after 2 steps, cleared state, load_state_dict: the same state back, and step 3 trains exactly
+    like an uninterrupted run's."""
+    model, component = _build(_cfg(name), one_rank)
+    ref_model, ref = _build(_cfg(name), one_rank)
+    for step in range(2):
+        _train_step(model, component, step)
+        _train_step(ref_model, ref, step)
+    saved = copy.deepcopy(component.state_dict())
+    before = _state_tensors(saved)
+    assert any(k.endswith("momentum_buffer") for k in before) == (name != "adamw")
+    assert any(k.endswith("exp_avg") for k in before)
+    component.optimizer.state.clear()
+    component.load_state_dict(copy.deepcopy(saved))
+    after = _state_tensors(component.state_dict())
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+    assert _train_step(model, component, 2) == _train_step(ref_model, ref, 2)
+    component.close()
+    ref.close()
+
+
+def test_muon_naive_update_equals_dmuon(one_rank) -> None:
+    """Non-default options on both sides (weight decay, no Nesterov, original lr scaling, Keller Jordan's
+    coefficients, 3 NS steps): muon_naive trains the same model as dmuon."""
+    options = dict(
+        weight_decay=0.1, nesterov=False, adjust_lr_fn="original", ns_coefficients="muon", ns_steps=3, lr=0.05
+    )
+    runs = {}
+    for name in ("dmuon", "muon_naive"):
+        model, component = _build(_cfg(name, **options), one_rank)
+        runs[name] = [_train_step(model, component, step, max_norm=0.5) for step in range(4)]
+        component.close()
+    torch.testing.assert_close(runs["muon_naive"], runs["dmuon"], rtol=1e-6, atol=0)
+
+
+def test_naive_muon_param_groups_follow_the_scheduler() -> None:
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    opt = NaiveMuon([a], [b], lr=0.02, adamw_lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert {g["kind"]: g["lr"] for g in opt.param_groups} == {"muon": 0.01, "adamw": 5e-4}
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        NaiveMuon([a], [b], adjust_lr_fn="rms")

@@ -1,0 +1,158 @@
+"""The optimizer component: everything the trainer does with an optimizer, behind one interface, and the
+registry that maps `optimizer.name` to a component class.
+
+The trainer never asks which optimizer it has. It calls, in this order:
+
+    component = build_optimizer_component(cfg, spec)     # the class registered as cfg.optimizer.name
+    ignored = component.prepare(model, dims, mesh)       # inside parallelize: after TP, before FSDP2
+    fully_shard(..., ignored_params=ignored)             # FSDP2 leaves the component's params alone
+    optimizer = component.build()                        # the torch.optim.Optimizer (lr scheduler, step)
+    with component.no_sync(): ...                        # every micro-batch but the last one
+    norm = component.clip_grad_norm_(max_norm)           # one global norm, the same on every rank
+    optimizer.step(); component.step_stats()             # the metrics the component adds
+    component.state_dict() / load_state_dict(sd)         # for checkpoints (DCP-ready)
+    component.close()                                    # finish in-flight communication
+
+The defaults here serve an optimizer whose params FSDP2 manages (DTensors): `adamw` and `muon_naive` use
+them as they are; `dmuon` overrides most of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from titan_dmuon.config import ConfigError, JobConfig
+
+if TYPE_CHECKING:
+    from titan_dmuon.components.model import ModelSpec
+    from titan_dmuon.parallel import ParallelDims
+
+Predicate = Callable[[str, nn.Parameter], bool]
+
+NS_DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+"""`optimizer.muon.ns_dtype` -> the dtype Newton-Schulz runs in (None: the library's default for the device)."""
+
+
+def muon_predicate(pattern: str) -> Predicate:
+    """Muon params: 2D params whose FQN matches `pattern` (re.search: anchor the pattern to match whole FQNs)."""
+    regex = re.compile(pattern)
+    return lambda name, p: p.ndim == 2 and regex.search(name) is not None
+
+
+class OptimizerComponent:
+    """One optimizer as the trainer sees it (the module docstring gives the call order).
+
+    Built from the whole JobConfig (its own `[optimizer.*]` tables, plus what it needs elsewhere, such as the
+    mixed-precision dtype) and the model family's spec (its default Muon params and its blocks).
+    """
+
+    name: ClassVar[str]
+    """The `optimizer.name` that selects this component."""
+
+    def __init__(self, cfg: JobConfig, spec: ModelSpec):
+        self.cfg = cfg
+        self.spec = spec
+        self.muon_params = cfg.optimizer.muon_params or spec.muon_params
+        self.muon_predicate = muon_predicate(self.muon_params)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------------------------------ setup
+    def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
+        """Runs inside parallelize, after TP and before FSDP2. Returns the params FSDP2 must not manage."""
+        self.model = model
+        return set()
+
+    def build(self) -> torch.optim.Optimizer:
+        """The optimizer over the parallelized model (after FSDP2); also kept as `self.optimizer`. Its param
+        groups carry `kind` ("muon" or "adamw"): the trainer logs each kind's lr."""
+        raise NotImplementedError
+
+    def select_muon_params(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The (FQN, param) pairs Muon takes; a ConfigError when there is none."""
+        selected = [(n, p) for n, p in model.named_parameters() if self.muon_predicate(n, p)]
+        if not selected:
+            source = (
+                f"optimizer.muon_params = {self.muon_params!r}"
+                if self.cfg.optimizer.muon_params
+                else f"the {self.spec.name} family's default Muon params {self.muon_params!r}"
+            )
+            raise ConfigError(f"{source} selects no 2D parameter of {self.spec.name}/{self.cfg.model.flavor}")
+        return selected
+
+    # ------------------------------------------------------------------------------------------- step
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """No gradient communication inside (grad accumulation): FSDP2 keeps unreduced local grads."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every grad so that the global L2 norm is at most `max_norm`; returns the norm before, the same
+        value on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(total, DTensor):  # FSDP2/TP grads: a partial norm over the mesh -> the global value
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def step_stats(self) -> dict[str, float]:
+        """Metrics of the last step (TensorBoard tag -> value); only those that carry information here."""
+        return {}
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state keyed by parameter FQN, DTensors left sharded (what DCP saves)."""
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of `state_dict` (the same layout)."""
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+    def close(self) -> None:
+        """Finish what is still in flight; called once, before the process group goes."""
+
+
+_REGISTRY: dict[str, type[OptimizerComponent]] = {}
+
+
+def register_optimizer(cls: type[OptimizerComponent]) -> type[OptimizerComponent]:
+    """Class decorator: make `cls` selectable as `optimizer.name = cls.name`."""
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"optimizer {cls.name!r} is registered already ({existing.__qualname__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_optimizers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_optimizer_component(name: str) -> type[OptimizerComponent]:
+    """The component class registered as `name`; ValueError lists what exists."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown optimizer {name!r}; registered optimizers: {', '.join(available_optimizers())}")
+    return _REGISTRY[name]
+
+
+def build_optimizer_component(cfg: JobConfig, spec: ModelSpec) -> OptimizerComponent:
+    """The component `cfg.optimizer.name` names, for a model of family `spec`; ConfigError for an unknown name."""
+    try:
+        cls = get_optimizer_component(cfg.optimizer.name)
+    except ValueError as e:
+        raise ConfigError(f"optimizer.name: {e}") from None
+    return cls(cfg, spec)

@@ -1,0 +1,102 @@
+"""`dmuon`: Muon by dedicated ownership (titan_dmuon.dmuon) on the Muon matrices, AdamW on the rest.
+
+prepare() dedicates the Muon matrices (each to one owner rank) before FSDP2 shards the rest, and returns
+them so that fully_shard ignores them; every later call goes through dmuon's public API.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_dmuon import dmuon
+
+from .base import NS_DTYPES, OptimizerComponent, register_optimizer
+
+if TYPE_CHECKING:
+    from titan_dmuon.parallel import ParallelDims
+
+
+def _axis_of(kind: str) -> str:
+    """The mesh axis a ledger kind moves data over (docs/dmuon.md, "Bytes per step")."""
+    if kind.startswith("replicate_"):
+        return "replicate"
+    if kind.startswith("tp_"):
+        return "tp"
+    return "shard"
+
+
+@register_optimizer
+class DMuon(OptimizerComponent):
+    """dmuon.dedicate_params + dmuon.Muon, with `[optimizer.muon]`, `[optimizer.adamw]` and `[optimizer.dmuon]`."""
+
+    name = "dmuon"
+
+    def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
+        self.model, self.dims = model, dims
+        self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
+        blocks = {id(block) for _, block in self.spec.blocks(model)}
+        param_dtype = torch.bfloat16 if self.cfg.training.mixed_precision_param == "bfloat16" else None
+        owners = dmuon.dedicate_params(
+            model,
+            mesh["shard"],
+            self.muon_predicate,
+            replicate_mesh=mesh["replicate"] if dims.hsdp else None,
+            reshard_after_forward=self.cfg.optimizer.dmuon.reshard_after_forward,
+            # one packed broadcast/reduce per block, the same units FSDP2 shards (the root for anything else)
+            hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
+            param_dtype=param_dtype,
+        )
+        return set(owners)
+
+    def build(self) -> torch.optim.Optimizer:
+        m, a, d = self.cfg.optimizer.muon, self.cfg.optimizer.adamw, self.cfg.optimizer.dmuon
+        self.optimizer = dmuon.Muon(
+            self.model,
+            lr=m.lr,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            weight_decay=m.weight_decay,
+            ns_steps=m.ns_steps,
+            ns_coefficients=m.ns_coefficients,
+            eps=m.eps,
+            adjust_lr_fn=m.adjust_lr_fn,
+            adamw_lr=a.lr,
+            adamw_betas=tuple(a.betas),
+            adamw_eps=a.eps,
+            adamw_weight_decay=a.weight_decay,
+            ns_dtype=NS_DTYPES[m.ns_dtype],
+            replicate_async=d.replicate_async,
+            tp_distributed_gram=d.tp_distributed_gram,
+        )
+        return self.optimizer
+
+    def no_sync(self):
+        return dmuon.no_sync(self.model)  # DMuon's reduces and FSDP2's
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return dmuon.clip_grad_norm_(self.model, self.optimizer, max_norm)
+
+    def step_stats(self) -> dict[str, float]:
+        """Newton-Schulz calls and time on this rank, and the bytes of each collective kind whose mesh axis has
+        more than one rank (the others are zero by construction)."""
+        stats = self.optimizer.last_step_stats
+        out = {f"dmuon/{k}": float(stats[k]) for k in ("ns_calls", "ns_time_s") if k in stats}
+        degree = {"shard": self.dims.dp_shard, "replicate": self.dims.dp_replicate, "tp": self.dims.tp}
+        for kind, nbytes in dmuon.comm_stats(self.model)["bytes"].items():
+            if degree[_axis_of(kind)] > 1 and (kind != "tp_gram" or self.cfg.optimizer.dmuon.tp_distributed_gram):
+                out[f"dmuon/bytes_{kind}"] = float(nbytes)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return dmuon.get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        dmuon.set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+    def close(self) -> None:
+        if self.model is not None and self.optimizer is not None:
+            dmuon.drain(self.model)  # an HSDP publish or a deferred TP update may still be in flight

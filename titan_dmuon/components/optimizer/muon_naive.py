@@ -1,0 +1,197 @@
+"""`muon_naive`: FSDP2 + Muon the naive way, the baseline DMuon is compared against.
+
+Every Muon matrix stays an FSDP2-sharded DTensor (TP-sharded too, with TP). At step time each rank
+all-gathers each Muon grad (`full_tensor()`, over every mesh dim), keeps a full-size momentum buffer, runs
+the same Newton-Schulz as every other rank, and applies its own shard of the update: N times the
+Newton-Schulz work of DMuon and an all-gather of every Muon grad. The update is dmuon.Muon's for the same
+options (the same Newton-Schulz and lr scaling functions), so the two train the same model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.adamw import adamw as _adamw_functional
+
+from titan_dmuon.dmuon.muon import adjusted_lr
+from titan_dmuon.dmuon.newton_schulz import Coefficients, default_ns_dtype, zeropower_via_newtonschulz
+
+from .base import NS_DTYPES, OptimizerComponent, register_optimizer
+
+
+class NaiveMuon(torch.optim.Optimizer):
+    """Muon on (FSDP2/TP-sharded) matrices by gathering each grad and orthogonalizing it on every rank; AdamW
+    (torch's functional kernel, foreach) on the other params.
+
+    Param groups carry `kind` "muon" or "adamw" like dmuon.Muon's, so one lr scheduler scales both.
+    `last_step_stats` holds this rank's Newton-Schulz calls and time and the bytes it received all-gathering
+    the grads.
+    """
+
+    def __init__(
+        self,
+        muon_params: Sequence[nn.Parameter],
+        adamw_params: Sequence[nn.Parameter],
+        *,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: Coefficients = "polar_express",
+        eps: float = 1e-7,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        ns_dtype: torch.dtype | None = None,
+    ):
+        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
+        muon = dict(
+            kind="muon",
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        adamw = dict(
+            kind="adamw", lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
+        )
+        groups = [{"params": list(ps), **opts} for ps, opts in ((adamw_params, adamw), (muon_params, muon)) if ps]
+        super().__init__(groups, {})
+        self.ns_dtype = ns_dtype
+        self.last_step_stats: dict[str, float] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stats = {"ns_calls": 0.0, "ns_time_s": 0.0, "bytes_all_gather": 0.0}
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+            else:
+                for p in group["params"]:  # the same order on every rank: the all-gathers match
+                    if p.grad is not None:
+                        self._muon_update(p, group, stats)
+        self.last_step_stats = stats
+        return loss
+
+    def _muon_update(self, p: nn.Parameter, opts: dict, stats: dict[str, float]) -> None:
+        """Momentum and Newton-Schulz on the full matrix (every rank alike), then this rank's shard of it."""
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            local_numel = grad.to_local().numel()
+            grad = grad.full_tensor()  # the all-gather DMuon never does
+            stats["bytes_all_gather"] += (grad.numel() - local_numel) * grad.element_size()
+        state = self.state[p]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(grad)
+        mu = opts["momentum"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if opts["nesterov"] else buf
+        t0 = time.perf_counter()
+        ortho = zeropower_via_newtonschulz(
+            update,
+            ns_steps=opts["ns_steps"],
+            coefficients=opts["ns_coefficients"],
+            eps=opts["eps"],
+            dtype=self.ns_dtype or default_ns_dtype(update.device),
+        )
+        stats["ns_time_s"] += time.perf_counter() - t0
+        stats["ns_calls"] += 1
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor):  # this rank's piece, for any placement (no communication)
+            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        local.mul_(1 - opts["lr"] * opts["weight_decay"])
+        local.add_(ortho.to(local.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], p.shape))
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adamw_functional(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+@register_optimizer
+class MuonNaive(OptimizerComponent):
+    """NaiveMuon over the FSDP2-sharded model, with `[optimizer.muon]` and `[optimizer.adamw]`; the base
+    class's FSDP2 defaults do the rest."""
+
+    name = "muon_naive"
+
+    def prepare(self, model, dims, mesh) -> set[nn.Parameter]:
+        self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
+        self.world_size = dims.world_size
+        return super().prepare(model, dims, mesh)
+
+    def build(self) -> torch.optim.Optimizer:
+        m, a = self.cfg.optimizer.muon, self.cfg.optimizer.adamw
+        muon = {id(p) for _, p in self.select_muon_params(self.model)}  # FSDP2's params now: select again
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = NaiveMuon(
+            [p for p in params if id(p) in muon],
+            [p for p in params if id(p) not in muon],
+            lr=m.lr,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            weight_decay=m.weight_decay,
+            ns_steps=m.ns_steps,
+            ns_coefficients=m.ns_coefficients,
+            eps=m.eps,
+            adjust_lr_fn=m.adjust_lr_fn,
+            adamw_lr=a.lr,
+            adamw_betas=tuple(a.betas),
+            adamw_eps=a.eps,
+            adamw_weight_decay=a.weight_decay,
+            ns_dtype=NS_DTYPES[m.ns_dtype],
+        )
+        return self.optimizer
+
+    def step_stats(self) -> dict[str, float]:
+        """Newton-Schulz calls and time on this rank, and the Muon-grad all-gather bytes when there is more than
+        one rank."""
+        stats = self.optimizer.last_step_stats
+        keys = ("ns_calls", "ns_time_s", "bytes_all_gather") if self.world_size > 1 else ("ns_calls", "ns_time_s")
+        return {f"muon_naive/{k}": float(stats[k]) for k in keys if k in stats}
