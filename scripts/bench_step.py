@@ -7,13 +7,14 @@ number of steps for every configuration):
                     the root, dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
   dmuon_z2          the same with reshard_after_forward=False (only with --z2).
   naive_fsdp2_muon  every param fully_shard-ed by FSDP2; at step time each Muon-target grad shard is
-                    all-gathered (DTensor.full_tensor()), every rank runs momentum + the same fp32 Newton-Schulz
-                    on the full matrix and applies its own shard of the update; torch AdamW (foreach) on the rest.
+                    all-gathered (DTensor.full_tensor()), every rank runs momentum + the same Newton-Schulz
+                    on the full matrix and applies its own shard of the update; AdamW (foreach) on the rest:
+                    the `muon_naive` optimizer component's NaiveMuon (titan_dmuon/components/optimizer/).
   fsdp2_adamw       FSDP2 + torch.optim.AdamW (foreach) on every param.
   hsdp_sync         (only with --hsdp R) DMuon on the HSDP mesh (R, N/R) = ("replicate", "shard"):
                     dedicate_params(model, mesh["shard"], replicate_mesh=mesh["replicate"]) (Z3), fully_shard
                     on the 2D mesh, dmuon.Muon(..., replicate_async=False): the replicate-axis publish of the
-                    updated `_owned_data` is issued and waited inside step().
+                    updated owner copies is issued and waited inside step().
   hsdp_async        the same with replicate_async=True: each group's publish is dispatched after its update
                     and waited in that group's next pre-forward (unshard).
 
@@ -24,16 +25,17 @@ timed steps (warmup steps excluded). The table also splits it into forward / bac
 harness, max over ranks of each phase) and shows the 1-minute load average (other jobs on the machine).
 
 With --hsdp R the two HSDP runs must end bitwise identical (async only moves the publish wait): the script
-checks the final loss on every rank (and the dedicated params' `_owned_data` and the FSDP2 shards), prints
-it, and prints the per-rank per-step DMuon ledger of the HSDP run (elements by kind, counted as in
+checks the final loss on every rank (and the full model state, dmuon.get_model_state_dict), prints it, and
+prints the per-rank per-step DMuon ledger of the HSDP run (dmuon.comm_stats: elements by kind, counted as in
 docs/dmuon.md, "Bytes per step") next to that section's HSDP formulas: shard reduce (G-1)/G*P_M, shard
 broadcast 2(G-1)/G*P_M (Z3: forward + backward re-broadcast), replicate reduce and publish (R-1)/R*P_col
 each, P_col = dedicated elements owned by the rank's shard column (summed over a replicate row of G ranks:
 (R-1)/R*P_M). G = N/R is the shard size.
 
-DMuon Z3 resident/ideal: after the last step, per rank, bytes of `_owned_data` + Muon momentum buffers of the
-dedicated params + any packed group buffer storage still allocated; max over ranks divided by
-2 x 4 x P_M / N (fp32 params + momentum of all dedicated matrices, spread evenly).
+DMuon Z3 resident/ideal: after the last step, per rank, bytes of the fp32 master of each matrix the rank owns
+(numel x 4: dmuon.get_owned_params) + their Muon momentum buffers + any packed group buffer storage still
+allocated (the storage behind the dedicated params); max over ranks divided by 2 x 4 x P_M / N (fp32 params +
+momentum of all dedicated matrices, spread evenly).
 
 Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank):
 
@@ -63,8 +65,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
+from titan_dmuon import dmuon  # noqa: E402
+from titan_dmuon.components.optimizer import NaiveMuon  # noqa: E402
 
-# Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for the naive baseline).
+# Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for every optimizer).
 MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
 ADAMW_LR, ADAMW_BETAS, ADAMW_EPS, ADAMW_WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -88,63 +92,8 @@ def shard_all(model: TinyMLP, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-# ---- the naive baseline ----------------------------------------------------------------------------------
-def _adjusted_lr(lr: float, shape) -> float:
-    """torch.optim.Muon's "match_rms_adamw" scaling (dmuon.Muon's default)."""
-    return lr * 0.2 * math.sqrt(max(shape[0], shape[1]))
-
-
-class NaiveFSDP2Muon(torch.optim.Optimizer):
-    """Muon on FSDP2-sharded matrices the naive way; torch AdamW (foreach) on every other param.
-
-    Per Muon matrix and step: all-gather the grad shard, update a full-size momentum buffer (kept on every
-    rank), run the same fp32 Newton-Schulz as every other rank, apply this rank's rows of the update.
-    Update rule = dmuon.Muon's defaults (EMA momentum, Nesterov, no weight decay, match_rms_adamw lr).
-    """
-
-    def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter]):
-        super().__init__([{"params": muon_params}], dict(lr=MUON_LR, momentum=MOMENTUM))
-        self.adamw = torch.optim.AdamW(
-            adamw_params, lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WD, foreach=True
-        )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.adamw.zero_grad(set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        from titan_dmuon.dmuon.newton_schulz import zeropower_via_newtonschulz
-
-        self.adamw.step()
-        for group in self.param_groups:
-            lr, mu = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad.full_tensor()  # all-gather of the averaged grad shards
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - mu)
-                update = grad.lerp(buf, mu)
-                ortho = zeropower_via_newtonschulz(
-                    update, ns_steps=NS_STEPS, coefficients=NS_COEFFS, eps=NS_EPS, dtype=torch.float32
-                )
-                local = p.to_local()
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                rows = ortho[offset[0] : offset[0] + shape[0]]
-                local.add_(rows.to(local.dtype), alpha=-_adjusted_lr(lr, p.shape))
-        return None
-
-
 # ---- the three configurations ----------------------------------------------------------------------------
 def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True):
-    from titan_dmuon import dmuon
-
     model = make_model(args)
     dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
     shard_all(model, mesh)
@@ -154,8 +103,6 @@ def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True):
 
 def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
     """DMuon (Z3) on the ("replicate", "shard") mesh, as tests/dmuon_harness.py builds HSDP."""
-    from titan_dmuon import dmuon
-
     model = make_model(args)
     dmuon.dedicate_params(
         model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
@@ -165,17 +112,26 @@ def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
     return model, opt
 
 
-def is_dmuon(name: str) -> bool:
-    return name.startswith("dmuon") or name.startswith("hsdp")
-
-
 def build_naive(mesh, args: argparse.Namespace):
     model = make_model(args)
     shard_all(model, mesh)
     named = list(model.named_parameters())
     muon = [p for n, p in named if is_muon_target(n, p)]
     rest = [p for n, p in named if not is_muon_target(n, p)]
-    return model, NaiveFSDP2Muon(muon, rest)
+    opt = NaiveMuon(
+        muon,
+        rest,
+        lr=MUON_LR,
+        momentum=MOMENTUM,
+        ns_steps=NS_STEPS,
+        ns_coefficients=NS_COEFFS,
+        eps=NS_EPS,
+        adamw_lr=ADAMW_LR,
+        adamw_betas=ADAMW_BETAS,
+        adamw_eps=ADAMW_EPS,
+        adamw_weight_decay=ADAMW_WD,
+    )
+    return model, opt
 
 
 def build_adamw(mesh, args: argparse.Namespace):
@@ -189,7 +145,7 @@ def build_adamw(mesh, args: argparse.Namespace):
 
 # ---- measurement -----------------------------------------------------------------------------------------
 def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """One training step after a barrier; returns the loss and [total, fwd, bwd, step, dmuon NS] seconds."""
+    """One training step after a barrier; returns the loss and [total, fwd, bwd, step, Muon NS] seconds."""
     dist.barrier()
     t0 = time.perf_counter()
     loss = model(x)
@@ -199,7 +155,7 @@ def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     opt.step()
     opt.zero_grad()
     t3 = time.perf_counter()
-    ns = getattr(opt, "last_step_stats", {}).get("ns_time_s", 0.0)  # DMuon's own Muon-update timer
+    ns = getattr(opt, "last_step_stats", {}).get("ns_time_s", 0.0)  # the Muon optimizers' own NS timer
     return loss.detach(), [t3 - t0, t1 - t0, t2 - t1, t3 - t2, ns]
 
 
@@ -219,7 +175,7 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
             losses[name], phases = timed_step(model, opt, x)
             if step >= args.warmup:
                 if name in ledgers:
-                    ledgers[name].append(dict(model._dmuon_state.ledger.last_step))
+                    ledgers[name].append(dmuon.comm_stats(model)["elements"])
                 t = torch.tensor(phases, dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 sums[name] += t
@@ -234,68 +190,68 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
     return results
 
 
+def dedicated_params(model: nn.Module, world: int) -> list:
+    """Every dedicated matrix of the model (each once, in FQN order): the union of every rank's owned ones."""
+    by_fqn = {dp.fqn: dp for rank in range(world) for dp in dmuon.get_owned_params(model, rank)}
+    return [by_fqn[fqn] for fqn in sorted(by_fqn)]
+
+
 def dmuon_resident_ratio(model: nn.Module, opt: torch.optim.Optimizer, world: int) -> float:
-    """Max over ranks of (owned params + momentum + live packed buffers) bytes, over 2*4*P_M/N."""
-    st = model._dmuon_state
+    """Max over ranks of (owned fp32 masters + momentum + live packed buffers) bytes, over 2*4*P_M/N (1D)."""
     resident = 0
-    for dp in st.dparams:
-        if dp._owned_data is not None:
-            resident += dp._owned_data.numel() * dp._owned_data.element_size()
+    for dp in dmuon.get_owned_params(model):
+        resident += dp.numel * 4  # the owner's fp32 master copy
         buf = opt.state[dp.param].get("momentum_buffer") if dp.param in opt.state else None
         if buf is not None:
             resident += buf.numel() * buf.element_size()
-    for g in st.groups:
-        resident += g.buffer.untyped_storage().nbytes()
+    storages = {}  # the packed group buffers behind the dedicated params (empty once freed: Z3)
+    for dp in dedicated_params(model, world):
+        st = dp.param.untyped_storage()
+        if st.nbytes():
+            storages[st.data_ptr()] = st.nbytes()
+    resident += sum(storages.values())
     t = torch.tensor([resident], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    p_m = sum(dp.numel for dp in st.dparams)
+    p_m = sum(dp.numel for dp in dedicated_params(model, world))
     return t.item() / (2 * 4 * p_m / world)
 
 
-def naive_resident_ratio(model: nn.Module, opt: NaiveFSDP2Muon, world: int) -> float:
+def naive_resident_ratio(model: nn.Module, opt: NaiveMuon, world: int) -> float:
     """Same accounting for the naive baseline: local Muon-target shards + full-size momentum buffers."""
     resident, p_m = 0, 0
-    for p in opt.param_groups[0]["params"]:
-        local = p.to_local()
-        resident += local.numel() * local.element_size()
-        buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
-        if buf is not None:
-            resident += buf.numel() * buf.element_size()
-        p_m += p.numel()
+    for group in opt.param_groups:
+        if group["kind"] != "muon":
+            continue
+        for p in group["params"]:
+            local = p.to_local()
+            resident += local.numel() * local.element_size()
+            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            if buf is not None:
+                resident += buf.numel() * buf.element_size()
+            p_m += p.numel()
     t = torch.tensor([resident], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item() / (2 * 4 * p_m / world)
 
 
-def _flat_state(model: nn.Module) -> list[torch.Tensor]:
-    """This rank's copy of the trained state: dedicated params' `_owned_data`, then every FSDP2 local shard."""
-    st = model._dmuon_state
-    dedicated = {dp.param for dp in st.dparams}
-    out = [dp._owned_data for dp in st.dparams if dp._owned_data is not None]
-    for p in model.parameters():
-        if p not in dedicated:
-            out.append(p.to_local() if hasattr(p, "to_local") else p)
-    return [t.detach() for t in out]
-
-
-def hsdp_checks(runs: dict, results: dict, world: int) -> dict:
-    """Drain the async publish; sync vs async bitwise (final loss and state, every rank); gather the ledgers."""
-    for name in ("hsdp_sync", "hsdp_async"):
-        runs[name][0]._dmuon_state.drain_publish()
+def hsdp_checks(runs: dict, results: dict, mesh2d, world: int) -> dict:
+    """Sync vs async bitwise (final loss, and the full state after draining the async publish, on every rank);
+    gather the ledgers."""
+    states = {name: dmuon.get_model_state_dict(runs[name][0]) for name in ("hsdp_sync", "hsdp_async")}
     s, a = results["hsdp_sync"], results["hsdp_async"]
     same_loss = torch.equal(s["local_loss"], a["local_loss"])
-    ts, ta = _flat_state(runs["hsdp_sync"][0]), _flat_state(runs["hsdp_async"][0])
-    same_state = len(ts) == len(ta) and all(torch.equal(x, y) for x, y in zip(ts, ta, strict=True))
+    ts, ta = states["hsdp_sync"], states["hsdp_async"]
+    same_state = ts.keys() == ta.keys() and all(torch.equal(ts[k], ta[k]) for k in ts)
     flags = torch.tensor([int(same_loss), int(same_state)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    st = runs["hsdp_sync"][0]._dmuon_state
+    dps = dedicated_params(runs["hsdp_sync"][0], world)
     mine = dict(
-        coord=(st.shard_rank, st.replicate_rank),
-        shard_size=st.shard_size,
-        replicate_size=st.replicate_size,
-        z3=st.reshard_after_forward,
-        p_m=sum(dp.numel for dp in st.dparams),
-        p_col=sum(dp.numel for dp in st.dparams if dp.in_owner_column),
+        coord=(mesh2d.get_local_rank("shard"), mesh2d.get_local_rank("replicate")),
+        shard_size=mesh2d["shard"].size(),
+        replicate_size=mesh2d["replicate"].size(),
+        z3=True,  # build_dmuon_hsdp: reshard_after_forward=True
+        p_m=sum(dp.numel for dp in dps),
+        p_col=sum(dp.numel for dp in dps if dp.in_owner_column),
         ledger=s["ledgers"][-1],
         steady=all(led == s["ledgers"][-1] for led in s["ledgers"]),  # the same every timed step
         async_same=a["ledgers"] == s["ledgers"],  # the async run's ledgers equal the sync run's, step by step
@@ -315,7 +271,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh, mesh2d = init_device_mesh("cpu", (world,)), None
         builders: list[tuple[str, Callable]] = [("dmuon", lambda: build_dmuon(mesh, args, z3=True))]
         if args.z2:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
@@ -332,7 +288,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         runs = {name: build() for name, build in builders}
         load_before = os.getloadavg()[0]
         results = run_interleaved(runs, args, rank)
-        hsdp = hsdp_checks(runs, results, world) if args.hsdp else None
+        hsdp = hsdp_checks(runs, results, mesh2d, world) if args.hsdp else None
         resident = {}  # after the last step
         for name, (model, opt) in runs.items():
             if name.startswith("dmuon"):
@@ -360,7 +316,7 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
     )
     print(
         f"  bitwise equal: final loss on every rank {'yes' if hsdp['loss_bitwise'] else 'NO'}, mean "
-        f"{'yes' if s == a else 'NO'}; final params (_owned_data + FSDP2 shards) on every rank "
+        f"{'yes' if s == a else 'NO'}; final model state (dmuon.get_model_state_dict) on every rank "
         f"{'yes' if hsdp['state_bitwise'] else 'NO'}"
     )
     print(
@@ -418,14 +374,15 @@ def report(
         f"{'final loss':>13}{'resident/ideal':>16}"
     )
     for name, r in results.items():
-        ns = f"{r['ns'] * ms:9.1f}" if is_dmuon(name) else f"{'-':>9}"
+        ns = f"{r['ns'] * ms:9.1f}" if name != "fsdp2_adamw" else f"{'-':>9}"
         res = f"{resident[name]:15.2f}x" if name in resident else f"{'-':>16}"
         print(
             f"{name:<18}{r['total'] * ms:10.1f}{r['fwd'] * ms:9.1f}{r['bwd'] * ms:9.1f}{r['step'] * ms:9.1f}"
             f"{ns}{r['loss']:13.6f}{res}"
         )
     print(
-        "* NS ms: DMuon's own timer of its owner-side momentum+NS+update (part of opt ms). resident/ideal "
+        "* NS ms: the optimizer's own timer of its Newton-Schulz runs (part of opt ms; DMuon: owner-side only). "
+        "resident/ideal "
         "(after the last step): Muon-matrix params + momentum bytes, max over ranks / (2*4*P_M/N)."
     )
     hsdp_part, hsdp_ok = "", True

@@ -1,16 +1,18 @@
-"""End-to-end training throughput of optimizer dmuon vs adamw: train.py on N CPU ranks, one run each.
+"""End-to-end training throughput of the optimizers dmuon, muon_naive and adamw: train.py on N CPU ranks.
 
-Runs `torchrun --standalone --nproc_per_node N train.py --config train_configs/debug_model.toml` twice, once
-per optimizer, with the same layout (1D FSDP2 by default), model, data and step count, logging every step to
-TensorBoard in a temporary folder. Throughput is read back from the `throughput/tokens_per_sec` scalars
-(per-rank tokens/s of each step): the warmup steps are dropped and the rest are combined as
-tokens / total time (the harmonic mean, since every step carries the same tokens). The two runs alternate
-`--repeats` times so that background load drifting during the benchmark hits both alike.
+Runs `torchrun --standalone --nproc_per_node N train.py --config train_configs/debug_model.toml` once per
+optimizer (`--optimizers`, default all three: DMuon, the naive FSDP2 + Muon baseline, plain AdamW), with the
+same layout (1D FSDP2 by default), model, data and step count, logging every step to TensorBoard in a
+temporary folder. Throughput is read back from the `throughput/tokens_per_sec` scalars (per-rank tokens/s of
+each step): the warmup steps are dropped and the rest are combined as tokens / total time (the harmonic mean,
+since every step carries the same tokens). The runs alternate `--repeats` times so that background load
+drifting during the benchmark hits them alike.
 
     python3 scripts/bench_train.py                        # 4 ranks, debugmodel, 8 x 128 tokens/rank, 15 steps
     python3 scripts/bench_train.py --nproc 2 --steps 20 --warmup 5 -- --training.seq_len 256
 
-Prints one summary line: `bench_train: ... dmuon X tok/s/rank, adamw Y tok/s/rank, dmuon/adamw = R`.
+Prints one summary line: `bench_train: ... dmuon X, muon_naive Y, adamw Z tok/s/rank | dmuon/muon_naive = R,
+dmuon/adamw = S`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIMIZERS = ("dmuon", "muon_naive", "adamw")
 
 
 def run_once(optimizer: str, args: argparse.Namespace, dump: str) -> list[float]:
@@ -82,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="local batch size (sequences per rank)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per optimizer")
+    p.add_argument(
+        "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS, help="optimizer.name values to run"
+    )
     p.add_argument("extra", nargs="*", help="more train.py flags, after `--`")
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
@@ -91,17 +97,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    tps: dict[str, list[float]] = {"dmuon": [], "adamw": []}
+    tps: dict[str, list[float]] = {opt: [] for opt in args.optimizers}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for r in range(args.repeats):
-            for opt in ("dmuon", "adamw"):
+            for opt in args.optimizers:
                 tps[opt] += run_once(opt, args, os.path.join(tmp, f"{opt}{r}"))
-    d, a = combined(tps["dmuon"]), combined(tps["adamw"])
+    rate = {opt: combined(v) for opt, v in tps.items()}
+    ratios = [f"dmuon/{opt} = {rate['dmuon'] / rate[opt]:.3f}" for opt in rate if opt != "dmuon" and "dmuon" in rate]
     print(
         f"bench_train: {args.flavor}, {args.nproc} CPU ranks, {args.batch}x{args.seq_len} tokens/rank/step, "
-        f"steps {args.warmup + 1}-{args.steps} x {args.repeats}: dmuon {d:,.0f} tok/s/rank, "
-        f"adamw {a:,.0f} tok/s/rank, dmuon/adamw = {d / a:.3f} ({time.perf_counter() - t0:.0f} s)"
+        f"steps {args.warmup + 1}-{args.steps} x {args.repeats}: "
+        + ", ".join(f"{opt} {v:,.0f}" for opt, v in rate.items())
+        + " tok/s/rank"
+        + (f" | {', '.join(ratios)}" if ratios else "")
+        + f" ({time.perf_counter() - t0:.0f} s)"
     )
 
 
