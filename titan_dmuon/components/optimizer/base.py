@@ -64,12 +64,13 @@ class OptimizerComponent:
         self.muon_params = cfg.optimizer.muon_params or spec.muon_params
         self.muon_predicate = muon_predicate(self.muon_params)
         self.model: nn.Module | None = None
+        self.dims: ParallelDims | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------------------------------ setup
     def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
         """Runs inside parallelize, after TP and before FSDP2. Returns the params FSDP2 must not manage."""
-        self.model = model
+        self.model, self.dims = model, dims
         return set()
 
     def build(self) -> torch.optim.Optimizer:

@@ -36,7 +36,7 @@ class DMuon(OptimizerComponent):
     name = "dmuon"
 
     def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
-        self.model, self.dims = model, dims
+        super().prepare(model, dims, mesh)
         self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
         blocks = {id(block) for _, block in self.spec.blocks(model)}
         param_dtype = torch.bfloat16 if self.cfg.training.mixed_precision_param == "bfloat16" else None

@@ -163,7 +163,6 @@ class MuonNaive(OptimizerComponent):
 
     def prepare(self, model, dims, mesh) -> set[nn.Parameter]:
         self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
-        self.world_size = dims.world_size
         return super().prepare(model, dims, mesh)
 
     def build(self) -> torch.optim.Optimizer:
@@ -193,5 +192,5 @@ class MuonNaive(OptimizerComponent):
         """Newton-Schulz calls and time on this rank, and the Muon-grad all-gather bytes when there is more than
         one rank."""
         stats = self.optimizer.last_step_stats
-        keys = ("ns_calls", "ns_time_s", "bytes_all_gather") if self.world_size > 1 else ("ns_calls", "ns_time_s")
+        keys = ("ns_calls", "ns_time_s", "bytes_all_gather") if self.dims.world_size > 1 else ("ns_calls", "ns_time_s")
         return {f"muon_naive/{k}": float(stats[k]) for k in keys if k in stats}
