@@ -207,9 +207,9 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dp-rank-ignored",
-        "titan_dmuon/data/datasets.py",
-        "shards, shard = self.dp_world_size * nw, self.dp_rank * nw + wid",
-        "shards, shard = self.dp_world_size * nw, wid",
+        "titan_dmuon/data/packing.py",
+        "self.rows = [dp_rank + dp_world_size * i for i in",
+        "self.rows = [dp_world_size * i for i in",
         ("tests/unit/test_data.py",),
         "every DP rank trains on the same windows: N x the compute for 1 x the data",
     ),

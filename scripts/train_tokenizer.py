@@ -2,20 +2,22 @@
 
     python scripts/train_tokenizer.py --dataset stdlib --vocab-size 4096 --max-docs 500 --output tok/tokenizer.json
 
-The result loads with ``titan_dmuon.data.build_tokenizer(path)``; BOS/EOS are ``<|begin_of_text|>`` and
-``<|end_of_text|>``. Only the train split is used, so validation text stays unseen.
+The result loads with ``titan_dmuon.data.build_tokenizer(path)``: a ``tokenizer.json`` and, beside it, the
+``tokenizer_config.json`` that names BOS/EOS (``<|begin_of_text|>`` and ``<|end_of_text|>``). Only the train
+split is used, so validation text stays unseen.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_dmuon.data.datasets import build_source, iter_documents  # noqa: E402
+from titan_dmuon.data import build_source, iter_documents  # noqa: E402
 
 logger = logging.getLogger("train_tokenizer")
 
@@ -32,7 +34,8 @@ def train_tokenizer(
     output: str = "tokenizer.json",
     min_frequency: int = 2,
 ) -> str:
-    """Train and write ``output`` (a ``tokenizer.json``; a directory gets one inside). Returns its path."""
+    """Train and write ``output`` (a ``tokenizer.json``; a directory gets one inside) and the
+    ``tokenizer_config.json`` beside it. Returns the ``tokenizer.json`` path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -45,12 +48,14 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    source = build_source(dataset, dataset_path, dataset_field)
-    tok.train_from_iterator(iter_documents(source, "train", max_docs=max_docs), trainer=trainer)
+    source = build_source(dataset, dataset_path, dataset_field, split="train")
+    tok.train_from_iterator(iter_documents(source, max_docs=max_docs), trainer=trainer)
     if os.path.isdir(output) or output.endswith(os.sep):
         output = os.path.join(output, "tokenizer.json")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tok.save(output)
+    with open(os.path.join(os.path.dirname(os.path.abspath(output)), "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS}, f, indent=1)
     logger.info("wrote %s (vocab %d)", output, tok.get_vocab_size())
     return output
 

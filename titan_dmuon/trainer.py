@@ -1,7 +1,7 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
     trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
-    try:                     # model, parallelize, optimizer, lr, data, metrics (the profiler starts with train())
+    try:                     # data, model, parallelize, optimizer, lr, metrics (the profiler starts with train())
         trainer.train()
     finally:
         trainer.close()      # optimizer component, metrics, process group
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from titan_dmuon.components.model import check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
-from titan_dmuon.data import build_dataloader, build_tokenizer
+from titan_dmuon.data import DataError, build_dataloader, build_tokenizer
 from titan_dmuon.lr_scheduler import build_lr_scheduler
 from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.parallel import ParallelDims, parallelize
@@ -83,8 +83,30 @@ class Trainer:
         # 5. Tokenizer.
         try:
             self.tokenizer = build_tokenizer(cfg.model.tokenizer)
-        except FileNotFoundError as e:
+        except DataError as e:
             raise ConfigError(f"model.tokenizer: {e}") from None
+        # 5b. Data, checked before the model is built (a bad dataset is a config error, not a late traceback): this
+        #     DP rank's rows of each global batch of local x DP x accumulation rows (and of the held-out split).
+        try:
+            self.dataloader = build_dataloader(
+                dataset=t.dataset,
+                dataset_path=t.dataset_path,
+                dataset_field=t.dataset_field,
+                tokenizer=self.tokenizer,
+                dp_rank=self.dp_rank,
+                dp_world_size=self.dp_world_size,
+                local_batch_size=t.local_batch_size,
+                seq_len=t.seq_len,
+                global_batch_size=t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+                split="train",
+                seed=self.seed,
+                text_documents=t.text_documents,
+                num_workers=t.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+        except DataError as e:
+            raise ConfigError(f"training data: {e}") from None
+        self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
         # 6. Model: built on meta, materialized, initialized from the seed on every rank (identically), and only
         #    THEN parallelized: DMuon's dedicate_params copies each owner's fp32 master out of the live values
         #    (and publishes the owner's value to its replicas), so the params must hold their initial values
@@ -110,21 +132,7 @@ class Trainer:
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optim.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        # 10. Data: this DP rank's windows of the packed stream (and the held-out split for validation).
-        self.dataloader = build_dataloader(
-            dataset=t.dataset,
-            dataset_path=t.dataset_path,
-            dataset_field=t.dataset_field,
-            tokenizer=self.tokenizer,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            local_batch_size=t.local_batch_size,
-            seq_len=t.seq_len,
-            split="train",
-            seed=self.seed,
-        )
-        self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
-        # 11. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them.
+        # 10. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them.
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps)
         if self.rank == 0:
             self._save_config()
@@ -177,25 +185,31 @@ class Trainer:
 
     def _build_val_dataloader(self):
         t, v = self.cfg.training, self.cfg.validation
-        if v.dataset:  # a dataset of its own: all of it is validation data (val_fraction=1 keeps one doc out
-            dataset, path, fraction = v.dataset, v.dataset_path or t.dataset_path, 1.0  # when it has >= 2)
+        if v.dataset:  # a dataset of its own: all of it is validation data
+            dataset, path, fraction = v.dataset, v.dataset_path or t.dataset_path, 1.0
             if dataset != "stdlib" and not path:
                 raise ConfigError(f"validation.dataset_path is required for validation.dataset = {dataset!r}")
         else:  # the held-out split of the training data
             dataset, path, fraction = t.dataset, t.dataset_path, 0.02
-        return build_dataloader(
-            dataset=dataset,
-            dataset_path=path,
-            dataset_field=t.dataset_field,
-            tokenizer=self.tokenizer,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            local_batch_size=t.local_batch_size,
-            seq_len=t.seq_len,
-            split="val",
-            seed=self.seed,
-            val_fraction=fraction,
-        )
+        try:
+            return build_dataloader(
+                dataset=dataset,
+                dataset_path=path,
+                dataset_field=t.dataset_field,
+                tokenizer=self.tokenizer,
+                dp_rank=self.dp_rank,
+                dp_world_size=self.dp_world_size,
+                local_batch_size=t.local_batch_size,
+                seq_len=t.seq_len,
+                split="val",
+                seed=self.seed,
+                val_fraction=fraction,
+                text_documents=t.text_documents,
+                num_workers=t.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+        except DataError as e:
+            raise ConfigError(f"validation data: {e}") from None
 
     # -------------------------------------------------------------------------------------------- step
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,11 @@
-"""Data pipeline: tokenizers, sources, split, packing, DP sharding, exact loader resume."""
+"""Data pipeline: tokenizers, raw sources (byte ranges, paragraphs, parquet), the split, the permutation, row
+packing, a global batch order independent of the DP layout, workers, exact loader resume, up-front checks.
+(Token shards and prepare_data.py: test_data_shards.py.)"""
 
 from __future__ import annotations
 
+import builtins
+import hashlib
 import importlib.util
 import json
 import os
@@ -12,39 +16,57 @@ import torch
 
 from titan_dmuon.data import (
     ByteTokenizer,
-    PackedDataset,
+    DataError,
+    FileSource,
+    GlobalOrder,
+    Permutation,
+    RecordSource,
+    RowReader,
     build_dataloader,
     build_source,
     build_tokenizer,
-    split_mask,
+    check_source,
+    in_val_split,
     stdlib_source,
 )
-from titan_dmuon.data.datasets import FileSource
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "eta", "theta"]
 
 
-@pytest.fixture
-def text_dir(tmp_path):
+def _doc(rng, i: int) -> str:
+    return f"doc{i} " + " ".join(rng.choice(WORDS, int(rng.integers(1, 40))))
+
+
+@pytest.fixture(scope="module")
+def jsonl_corpus(tmp_path_factory):
+    """400 short documents in two JSONL files (with blank lines), and their texts in file order."""
     rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "\n"]
-    for i in range(40):
-        n = int(rng.integers(1, 60))
-        (tmp_path / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words, n)), encoding="utf-8")
-    return tmp_path
+    folder = tmp_path_factory.mktemp("jsonl")
+    docs = [_doc(rng, i) for i in range(400)]
+    for name, part in (("a.jsonl", docs[:250]), ("b.jsonl", docs[250:])):
+        lines = [json.dumps({"text": t, "id": 0}) + ("\n\n" if k % 17 == 0 else "\n") for k, t in enumerate(part)]
+        (folder / name).write_text("".join(lines), encoding="utf-8")
+    return folder, docs
 
 
-def _stream(ds: PackedDataset) -> np.ndarray:
-    """The split's whole token stream for epoch 0, built independently of the packing code."""
-    order = ds._order(0)
-    return np.concatenate([ByteTokenizer().encode_array(ds.source.text(int(i))) for i in order])
+def _loader(path, rank: int = 0, world: int = 1, local: int = 4, **kw):
+    args = {"dataset": "jsonl", "dataset_path": str(path), "tokenizer": ByteTokenizer(), "seq_len": 16, "seed": 5, **kw}
+    return build_dataloader(**args, dp_rank=rank, dp_world_size=world, local_batch_size=local)
 
 
-def _windows(ds: PackedDataset, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    it = iter(ds)
+def _take(loader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    it = iter(loader)
     return [next(it) for _ in range(n)]
 
 
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)
+    )
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
 def test_byte_tokenizer_round_trip() -> None:
     tok = build_tokenizer("byte")
     text = "héllo\nwörld 🙂"
@@ -54,139 +76,238 @@ def test_byte_tokenizer_round_trip() -> None:
     assert tok.encode(text, bos=False, eos=False) == list(text.encode("utf-8"))
 
 
-def test_packing_is_contiguous_and_shifted(text_dir) -> None:
-    seq_len = 16
-    ds = PackedDataset(build_source("text", str(text_dir)), ByteTokenizer(), seq_len, split="train", shuffle=True)
-    stream = _stream(ds)
-    n = (len(stream) - 1) // seq_len  # full windows in one epoch
-    for k, (x, y) in enumerate(_windows(ds, n)):
-        assert x.dtype == torch.int64 and x.shape == y.shape == (seq_len,)
-        np.testing.assert_array_equal(x.numpy(), stream[k * seq_len : k * seq_len + seq_len])
-        np.testing.assert_array_equal(y.numpy(), stream[k * seq_len + 1 : k * seq_len + seq_len + 1])
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_dp_sharding_disjoint_and_covering(text_dir, world: int) -> None:
-    seq_len, rounds = 8, 30
-    src = build_source("text", str(text_dir))
-    single = PackedDataset(src, ByteTokenizer(), seq_len, split="train")
-    reference = [x for x, _ in _windows(single, world * rounds)]
-    per_rank = [
-        [x for x, _ in _windows(PackedDataset(src, ByteTokenizer(), seq_len, r, world), rounds)] for r in range(world)
-    ]
-    # Window g of the global stream goes to rank g % world: disjoint, and together they cover the stream.
-    for g, ref in enumerate(reference):
-        assert torch.equal(per_rank[g % world][g // world], ref)
-
-
-def test_split_is_deterministic_disjoint_and_nonempty(text_dir) -> None:
-    src = build_source("text", str(text_dir))
-    train, val = split_mask(src, "train"), split_mask(src, "val")
-    assert train.any() and val.any() and not (train & val).any() and (train | val).all()
-    np.testing.assert_array_equal(val, split_mask(build_source("text", str(text_dir)), "val"))
-
-
-def test_val_is_finite_restartable_and_equal_across_ranks(text_dir) -> None:
-    src = build_source("text", str(text_dir))
-    counts = []
-    for r in range(3):
-        ds = PackedDataset(src, ByteTokenizer(), 4, r, 3, split="val", val_fraction=0.3)
-        first, second = list(ds), list(ds)
-        assert len(first) == len(second) > 0
-        assert all(torch.equal(a[0], b[0]) for a, b in zip(first, second, strict=True))
-        counts.append(len(first))
-    assert len(set(counts)) == 1
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_loader_state_round_trip(text_dir, num_workers: int) -> None:
-    kw = dict(
-        dataset="text",
-        dataset_path=str(text_dir),
-        dataset_field="",
-        tokenizer=ByteTokenizer(),
-        dp_rank=1,
-        dp_world_size=2,
-        local_batch_size=3,
-        seq_len=32,
-        seed=7,
-        num_workers=num_workers,
+def _train_tokenizer(tmp_path, jsonl_folder) -> str:
+    spec = importlib.util.spec_from_file_location(
+        "train_tokenizer", os.path.join(REPO, "scripts", "train_tokenizer.py")
     )
-    loader = build_dataloader(**kw)
-    it = iter(loader)
-    for _ in range(40):  # past one epoch of this small corpus, so the epoch counter is exercised too
-        next(it)
-    state = loader.state_dict()
-    if num_workers == 0:
-        assert state["dataset_state"]["epoch"] >= 1
-    expected = [next(it) for _ in range(3)]
-
-    resumed = build_dataloader(**kw)
-    resumed.load_state_dict(state)
-    it2 = iter(resumed)
-    for x_exp, y_exp in expected:
-        x, y = next(it2)
-        assert x.shape == (3, 32) and x.dtype == torch.int64
-        assert torch.equal(x, x_exp) and torch.equal(y, y_exp)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.train_tokenizer(
+        dataset="jsonl", dataset_path=str(jsonl_folder), vocab_size=300, max_docs=200, output=str(tmp_path) + os.sep
+    )
 
 
-def test_epochs_reshuffle(text_dir) -> None:
-    ds = PackedDataset(build_source("text", str(text_dir)), ByteTokenizer(), 8, seed=3)
-    assert not np.array_equal(ds._order(0), ds._order(1))
-    assert sorted(ds._order(0)) == sorted(ds._order(1))
+def test_hf_tokenizer_bos_eos_from_its_config(tmp_path, jsonl_corpus) -> None:
+    path = _train_tokenizer(tmp_path, jsonl_corpus[0])
+    tok = build_tokenizer(os.path.dirname(path))
+    vocab = tok._tok.get_vocab()
+    assert (tok.bos_id, tok.eos_id) == (vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"])
+    text = "alpha beta épsilon\nzeta"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) < len(text.encode()) + 2
+    assert tok.decode(ids) == text
+    # The config decides, not a guess: swap the roles and the ids follow; no BOS is allowed, no EOS is not.
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"bos_token": None, "eos_token": {"content": "<|begin_of_text|>"}}))
+    swapped = build_tokenizer(path)
+    assert swapped.bos_id is None and swapped.eos_id == vocab["<|begin_of_text|>"]
+    assert swapped.encode("a")[0] != swapped.eos_id and swapped.fingerprint != tok.fingerprint
+    config.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    with pytest.raises(DataError, match="names '<s>'"):
+        build_tokenizer(path)
+    config.unlink()
+    with pytest.raises(DataError, match="no tokenizer_config.json"):
+        build_tokenizer(path)
 
 
-def test_jsonl_source(tmp_path) -> None:
-    path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(json.dumps({"body": f"document {i}", "id": i}) for i in range(5)) + "\n\n")
-    src = build_source("jsonl", str(path), "body")
-    assert len(src) == 5 and src.text(3) == "document 3" and src.key(3) == "data.jsonl:3"
-    with pytest.raises(KeyError, match="no field 'text'"):
-        build_source("jsonl", str(path), "text").text(0)
+def test_tokenizer_paths_that_are_not_tokenizers(tmp_path) -> None:
+    with pytest.raises(DataError, match="no such file"):
+        build_tokenizer(str(tmp_path / "nope.json"))
+    with pytest.raises(DataError, match="no tokenizer.json in this folder"):
+        build_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("hello world\n")
+    with pytest.raises(DataError, match="is not a Hugging Face tokenizer.json"):
+        build_tokenizer(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- sources
+@pytest.mark.parametrize("chunk", [4096, 257, 64])
+def test_jsonl_byte_ranges_hold_every_line_once(jsonl_corpus, chunk: int) -> None:
+    folder, docs = jsonl_corpus
+    src = RecordSource(sorted(str(p) for p in folder.iterdir()), "jsonl", "text", chunk_bytes=chunk)
+    assert [t for u in range(len(src)) for t in src.texts(u)] == docs
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 37, 5])
+def test_text_paragraphs_hold_every_paragraph_once(tmp_path, chunk: int) -> None:
+    text = "first para\nline two\n\n  \n\nsecond\n\n\nthird  para\r\nmore\n  \n" + "x" * 50 + "\nend"
+    (tmp_path / "one.txt").write_text(text)
+    src = RecordSource([str(tmp_path / "one.txt")], "paragraphs", chunk_bytes=chunk)
+    got = [t for u in range(len(src)) for t in src.texts(u)]
+    assert got == ["first para\nline two", "second", "third  para\r\nmore", "x" * 50 + "\nend"]
+    # text_documents="file": one document per file
+    per_file = build_source("text", str(tmp_path), text_documents="file")
+    assert isinstance(per_file, FileSource) and per_file.texts(0) == [text]
 
 
 def test_parquet_source(tmp_path) -> None:
     import pyarrow as pa  # a dev dependency: missing, this test fails rather than skips
     import pyarrow.parquet as pq
 
-    table = pa.table({"content": [f"row {i}" for i in range(10)], "n": list(range(10))})
+    table = pa.table({"content": [f"row {i}" if i != 3 else None for i in range(10)], "n": list(range(10))})
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=4)
     src = build_source("parquet", str(tmp_path), "content")
-    assert len(src) == 10 and src.blocks == [(0, 4), (4, 8), (8, 10)]
-    assert [src.text(i) for i in (9, 0, 5)] == ["row 9", "row 0", "row 5"]
-    assert src.key(5) == "a.parquet:5"
-    with pytest.raises(KeyError, match="no column 'text'"):
+    assert len(src) == 3 and src.counted_documents() == 10
+    assert src.texts(0) == ["row 0", "row 1", "row 2"] and src.texts(2) == ["row 8", "row 9"]
+    with pytest.raises(DataError, match="no column 'text'"):
         build_source("parquet", str(tmp_path), "text")
-    # shuffling keeps row groups together
-    ds = PackedDataset(src, ByteTokenizer(), 4, shuffle=True, val_fraction=0.0)
-    groups = [int(i) // 4 for i in ds._order(0)]
-    assert groups == sorted(groups, key=groups.index)  # each group's rows are contiguous
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch) -> None:
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError("No module named 'pyarrow'")
+        return real_import(name, *args, **kwargs)
+
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(DataError, match=r'pip install -e "\.\[parquet\]"'):
+        build_source("parquet", str(tmp_path))
 
 
 def test_stdlib_source_offline() -> None:
     src = stdlib_source()
     assert isinstance(src, FileSource) and len(src) > 100
-    keys = [src.key(i) for i in range(len(src))]
-    assert keys == sorted(keys) and any(k == "json/decoder.py" for k in keys)
-    assert not any(part in ("test", "tests", "idlelib", "site-packages") for k in keys for part in k.split("/"))
-    assert "def " in src.text(keys.index("json/decoder.py"))
+    names = [os.path.relpath(f, os.path.dirname(os.__file__)).replace(os.sep, "/") for f in src.files]
+    assert "json/decoder.py" in names
+    assert not any(part in ("test", "tests", "idlelib", "site-packages") for n in names for part in n.split("/"))
+    assert "def " in src.texts(names.index("json/decoder.py"))[0]
 
 
-def test_hf_tokenizer(tmp_path, text_dir) -> None:
-    script = os.path.join(REPO, "scripts", "train_tokenizer.py")
-    spec = importlib.util.spec_from_file_location("train_tokenizer", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path = module.train_tokenizer(
-        dataset="text", dataset_path=str(text_dir), vocab_size=300, max_docs=30, output=str(tmp_path / "tok") + os.sep
-    )
-    tok = build_tokenizer(os.path.dirname(path))
-    assert tok.vocab_size <= 300 and {tok.bos_id, tok.eos_id} <= set(range(tok.vocab_size))
-    text = "alpha beta épsilon\nzeta"
-    ids = tok.encode(text)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) < len(text.encode()) + 2
-    assert tok.decode(ids) == text
-    # The packed stream works with it too.
-    ds = PackedDataset(build_source("text", str(text_dir)), tok, 8)
-    x, y = next(iter(ds))
-    assert int(x.max()) < tok.vocab_size and torch.equal(x[1:], y[:-1])
+def test_split_by_text_hash(jsonl_corpus) -> None:
+    folder, docs = jsonl_corpus
+    train = build_source("jsonl", str(folder), split="train", val_fraction=0.1)
+    val = build_source("jsonl", str(folder), split="val", val_fraction=0.1)
+    got_train = [t for u in range(len(train)) for t in train.documents(u)]
+    got_val = [t for u in range(len(val)) for t in val.documents(u)]
+    assert got_val == [t for t in docs if in_val_split(t, 0.1)] and 20 < len(got_val) < 60
+    assert sorted(got_train + got_val) == sorted(docs)
+    everything = build_source("jsonl", str(folder), split="val", val_fraction=1.0)
+    assert sum(len(everything.documents(u)) for u in range(len(everything))) == len(docs)
+
+
+# ------------------------------------------------------------------------------------------ the order
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000, 4097])
+def test_permutation_is_a_bijection(n: int) -> None:
+    perm = [Permutation(n, (3, 0))(i) for i in range(n)]
+    assert sorted(perm) == list(range(n))
+    if n >= 64:
+        assert perm != list(range(n)) and perm != [Permutation(n, (3, 1))(i) for i in range(n)]
+
+
+def test_rows_pack_their_units_contiguously(jsonl_corpus) -> None:
+    """Row j's windows are its units' documents (BOS text EOS) back to back, cut every seq_len tokens, each
+    window one token longer (the next one's first token)."""
+    folder, _ = jsonl_corpus
+    src = build_source("jsonl", str(folder), min_units=16)
+    order, tok, seq_len, B = GlobalOrder(len(src), 4, seed=1), ByteTokenizer(), 8, 4
+    for row in (0, 3):
+        reader = RowReader(src, tok, order, row, seq_len, (0, 0, 0))
+        windows = [reader.window() for _ in range(60)]
+        stream = np.concatenate([tok.encode_array(t) for k in range(20) for t in src.documents(order.unit(row, k))])
+        for i, w in enumerate(windows):
+            np.testing.assert_array_equal(w, stream[i * seq_len : i * seq_len + seq_len + 1])
+    U = len(src)  # the first U positions (one epoch) visit every unit once
+    assert sorted(order.unit(j, k) for k in range(-(-U // B)) for j in range(B) if j + k * B < U) == list(range(U))
+
+
+def _global_batches(path, world: int, local: int, steps: int, accum: int = 1, **kw) -> list[str]:
+    """Hash of each step's global batch, rows put back in global order (rank r holds rows r, r + world, ...)."""
+    B = local * world * accum
+    its = [iter(_loader(path, r, world, local, global_batch_size=B, **kw)) for r in range(world)]
+    hashes = []
+    for _ in range(steps):
+        rows: list = [None] * B
+        for r, it in enumerate(its):
+            micro = [next(it) for _ in range(accum)]
+            x, y = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+            assert x.shape == y.shape == (local * accum, 16) and torch.equal(x[:, 1:], y[:, :-1])
+            for i in range(local * accum):
+                rows[r + world * i] = torch.cat([x[i], y[i, -1:]])
+        hashes.append(hashlib.sha256(torch.stack(rows).numpy().tobytes()).hexdigest())
+    return hashes
+
+
+def test_global_batches_do_not_depend_on_the_dp_layout(jsonl_corpus) -> None:
+    """4 ranks x 8, 2 x 16, 1 x 32 and 2 x 8 x 2 micro-batches: the same 32-row global batches, 20 steps."""
+    folder, _ = jsonl_corpus
+    reference = _global_batches(folder, 1, 32, 20)
+    assert len(set(reference)) == 20
+    assert _global_batches(folder, 2, 16, 20) == reference
+    assert _global_batches(folder, 4, 8, 20) == reference
+    assert _global_batches(folder, 2, 8, 20, accum=2) == reference
+    assert _global_batches(folder, 1, 32, 20, seed=6) != reference
+
+
+# ----------------------------------------------------------------------------------- loader and resume
+def test_workers_give_the_same_batches(jsonl_corpus) -> None:
+    """2 workers split the rows (8 % 2 == 0); 3 workers share every row (gcd 1) and skip others' samples."""
+    folder, _ = jsonl_corpus
+    reference = _take(_loader(folder, 1, 2, local=8), 12)
+    assert _same(_take(_loader(folder, 1, 2, local=8, num_workers=2), 12), reference)
+    assert _same(_take(_loader(folder, 1, 2, local=8, num_workers=3), 12), reference)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resume_is_exact(jsonl_corpus, num_workers: int) -> None:
+    """Stopped after 30 micro-batches (the rows already in their second epoch) and restored: the same batches
+    as a loader that never stopped."""
+    folder, _ = jsonl_corpus
+    kw = dict(rank=1, world=2, local=3, global_batch_size=12, seq_len=256, num_workers=num_workers)
+    uninterrupted = _take(_loader(folder, **kw), 45)
+
+    loader = _loader(folder, **kw)
+    it = iter(loader)
+    first = [next(it) for _ in range(30)]
+    state = loader.state_dict()
+    del it
+    if num_workers == 0:
+        ds = loader.dataset
+        positions = [j + k * 12 for j, (k, _, _) in zip(ds.rows, state["dataset_state"]["rows"], strict=True)]
+        assert max(positions) >= len(ds.source)  # past the first epoch
+    resumed = _loader(folder, **kw)
+    resumed.load_state_dict(state)
+    assert _same(first + _take(resumed, 15), uninterrupted)
+
+
+def test_validation_restarts_on_every_iter(jsonl_corpus) -> None:
+    folder, _ = jsonl_corpus
+    val = _loader(folder, split="val", val_fraction=0.1)
+    first, again = _take(val, 5), _take(val, 5)
+    assert _same(first, again)
+    x = first[0][0][0]  # row 0's first window: BOS, then the first bytes of a held-out document
+    assert int(x[0]) == ByteTokenizer.bos_id
+    held_out = [t.encode() for t in jsonl_corpus[1] if in_val_split(t, 0.1)]
+    assert bytes(x[1:].tolist()) in {t[:15] for t in held_out}
+
+
+# ----------------------------------------------------------------------------------------- the checks
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('{"text": "a"}\n{"text": "b"}\n\n{"text": nope}\n', r"bad\.jsonl:4: not valid JSON"),
+        ('{"text": "a"}\n{"body": "b"}\n', r"bad\.jsonl:2: no field 'text' \(the record has \['body'\]\)"),
+        ("", r"bad\.jsonl: empty"),
+        ("\n\n  \n", r"bad\.jsonl: no documents"),
+    ],
+    ids=["bad-json", "missing-field", "empty-file", "blank-file"],
+)
+def test_checks_name_the_file_and_line(tmp_path, content: str, match: str) -> None:
+    (tmp_path / "bad.jsonl").write_text(content)
+    with pytest.raises(DataError, match=match):
+        _loader(tmp_path / "bad.jsonl")
+
+
+def test_checks_paths_globs_and_splits(tmp_path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        _loader(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match="matches no files"):
+        _loader(tmp_path / "*.jsonl")
+    (tmp_path / "x.jsonl").write_text('{"text": "only one document"}\n')
+    assert len(_take(_loader(tmp_path / "*.jsonl"), 2)) == 2  # a glob that matches; one document loops
+    with pytest.raises(DataError, match="the val split is empty"):
+        _loader(tmp_path / "x.jsonl", split="val")
+    src = build_source("jsonl", str(tmp_path), split="train")
+    check_source(src, ByteTokenizer(), "train")

@@ -139,14 +139,23 @@ class Training:
     """Random seed for model init and data order; unset = nondeterministic."""
     deterministic: bool = False
     """Use deterministic algorithms (slower), for bit-reproducible runs."""
-    dataset: Literal["stdlib", "text", "jsonl", "parquet"] = "stdlib"
-    """Dataset kind: "stdlib" = the embedded default corpus (Python standard library sources, works offline); "text",
-    "jsonl", "parquet": files at dataset_path.
+    dataset: Literal["stdlib", "text", "jsonl", "parquet", "tokens"] = "stdlib"
+    """Dataset kind: "tokens" = the folder scripts/prepare_data.py wrote (pre-tokenized shards, memory-mapped: for
+    corpora of any size); "stdlib" = the embedded default corpus (Python standard library sources, works offline);
+    "text", "jsonl", "parquet": raw files at dataset_path, tokenized while training (small corpora).
     """
     dataset_path: str = ""
-    """File, folder or glob of the dataset files (unused for "stdlib")."""
+    """File, folder or glob (quoted) of the dataset files; for "tokens" the prepared folder (unused for "stdlib")."""
     dataset_field: str = "text"
     """Field holding the text in JSONL records and parquet columns."""
+    text_documents: Literal["blank_line", "file"] = "blank_line"
+    """How "text" files split into documents: "blank_line" = each run of non-blank lines (so one file can be split for
+    validation), "file" = each file whole.
+    """
+    num_workers: int = 0
+    """DataLoader worker processes per rank that read, tokenize and pack ahead of the training step (0 = in the
+    training process). A resumed loader state needs the same value.
+    """
 
 
 @dataclass
@@ -209,7 +218,7 @@ class Validation:
     """Validate every this many steps."""
     steps: int = 10
     """Batches per validation."""
-    dataset: Literal["", "stdlib", "text", "jsonl", "parquet"] = ""
+    dataset: Literal["", "stdlib", "text", "jsonl", "parquet", "tokens"] = ""
     """Empty = a held-out split of the training dataset; else a dataset kind as in training.dataset."""
     dataset_path: str = ""
     """Files of the validation dataset when dataset is set ("" = training.dataset_path)."""

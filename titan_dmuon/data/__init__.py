@@ -1,28 +1,59 @@
-"""Tokenizers, text sources (offline stdlib default, text/JSONL/parquet), packing and the stateful loader."""
+"""Data: tokenizers, raw sources (offline stdlib default, text/JSONL/parquet), pre-tokenized token shards, a
+global batch order independent of the cluster shape, up-front checks, and the stateful loader."""
 
-from .dataloader import build_dataloader, build_dataset
-from .datasets import (
-    DATASETS,
-    DocumentSource,
-    PackedDataset,
-    StreamPosition,
-    build_source,
+from .checks import Census, check_source, take_census
+from .dataloader import DATASETS, VAL_FRACTION, MicroBatchLoader, build_dataloader, build_source
+from .errors import DataError
+from .packing import GlobalOrder, PackedDataset, Permutation, RowReader
+from .shards import FORMAT, MANIFEST, ShardWriter, TokenSource, read_manifest, token_dtype, write_manifest
+from .sources import (
+    RAW_DATASETS,
+    TEXT_DOCUMENTS,
+    FileSource,
+    HFDatasetSource,
+    ParquetSource,
+    RawSource,
+    RecordSource,
+    build_raw_source,
+    in_val_split,
     iter_documents,
-    split_mask,
+    list_files,
     stdlib_source,
 )
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
-    "build_dataloader",
-    "build_dataset",
+    "Census",
+    "check_source",
+    "take_census",
     "DATASETS",
-    "DocumentSource",
-    "PackedDataset",
-    "StreamPosition",
+    "VAL_FRACTION",
+    "MicroBatchLoader",
+    "build_dataloader",
     "build_source",
+    "DataError",
+    "GlobalOrder",
+    "PackedDataset",
+    "Permutation",
+    "RowReader",
+    "FORMAT",
+    "MANIFEST",
+    "ShardWriter",
+    "TokenSource",
+    "read_manifest",
+    "token_dtype",
+    "write_manifest",
+    "RAW_DATASETS",
+    "TEXT_DOCUMENTS",
+    "FileSource",
+    "HFDatasetSource",
+    "ParquetSource",
+    "RawSource",
+    "RecordSource",
+    "build_raw_source",
+    "in_val_split",
     "iter_documents",
-    "split_mask",
+    "list_files",
     "stdlib_source",
     "ByteTokenizer",
     "HFTokenizer",
