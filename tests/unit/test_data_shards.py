@@ -1,0 +1,172 @@
+"""Token shards: scripts/prepare_data.py writes them (in order, split, sharded, the same with any number of
+workers), training reads them by memory map (the checks, the layout-independent order, exact resume)."""
+
+from __future__ import annotations
+
+import filecmp
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from titan_dmuon.data import (
+    ByteTokenizer,
+    DataError,
+    ShardWriter,
+    TokenSource,
+    build_dataloader,
+    build_source,
+    in_val_split,
+    token_dtype,
+    write_manifest,
+)
+from titan_dmuon.data.shards import check_vocab_fits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
+prepare_data = sys.modules["prepare_data"] = importlib.util.module_from_spec(_spec)  # the pool pickles by name
+_spec.loader.exec_module(prepare_data)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """300 short JSONL documents, and their texts in file order."""
+    rng = np.random.default_rng(1)
+    folder = tmp_path_factory.mktemp("raw")
+    words = ["one", "two", "three", "four", "fünf", "six"]
+    docs = [f"d{i} " + " ".join(rng.choice(words, int(rng.integers(1, 30)))) for i in range(300)]
+    (folder / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    return folder, docs
+
+
+def _prepare(src, out, **kw):
+    args = {"dataset": "jsonl", "dataset_path": str(src), "output": str(out), "progress": False, **kw}
+    return prepare_data.prepare(**args)
+
+
+@pytest.fixture(scope="module")
+def shards(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens")
+    _prepare(corpus[0], out, shard_tokens=3000, val_fraction=0.1)
+    return out
+
+
+def test_prepare_writes_every_document_in_order(corpus, shards) -> None:
+    _, docs = corpus
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["fingerprint"] == "byte"
+    assert manifest["documents"] == len(docs) and len(manifest["splits"]["train"]["shards"]) > 2
+    tok = ByteTokenizer()
+    for split in ("train", "val"):
+        src = TokenSource(str(shards), (split,))
+        want = [tok.encode_array(t) for t in docs if in_val_split(t, 0.1) == (split == "val")]
+        got = [src.documents(u)[0] for u in range(len(src))]
+        assert len(got) == len(want) > 10 and manifest["splits"][split]["documents"] == len(want)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))  # no document spans shards
+    for shard in manifest["splits"]["train"]["shards"][:-1]:
+        assert shard["tokens"] <= 3000
+
+
+def test_prepare_output_does_not_depend_on_workers(corpus, shards, tmp_path) -> None:
+    _prepare(corpus[0], tmp_path, shard_tokens=3000, val_fraction=0.1, workers=2)
+    names = sorted(os.listdir(shards))
+    assert names == sorted(os.listdir(tmp_path))
+    _, mismatch, errors = filecmp.cmpfiles(shards, tmp_path, names, shallow=False)
+    assert mismatch == [] and errors == []
+
+
+def test_prepare_refuses_bad_input_and_existing_output(corpus, shards, tmp_path, capsys) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    argv = ["--dataset", "jsonl", "--dataset-path", str(tmp_path / "bad.jsonl"), "--no-progress"]
+    assert prepare_data.main([*argv, "--output", str(tmp_path / "out"), "--workers", "2"]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert prepare_data.main([*argv, "--output", str(shards)]) == 2
+    assert "already holds prepared data" in capsys.readouterr().err
+    with pytest.raises(DataError, match="holds ids below 65536"):
+        check_vocab_fits(128256, "uint16", "--dtype uint16")
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def uint8_tokens(folder) -> None:
+    """A consistent prepared folder whose dtype (uint8) cannot hold the byte tokenizer's BOS/EOS (256, 257)."""
+    writer = ShardWriter(str(folder), "train", np.dtype(np.uint8), 1 << 20)
+    writer.add(np.arange(10, dtype=np.int64), np.array([4, 6]))
+    tokenizer = {"spec": "byte", "fingerprint": "byte", "vocab_size": 258, "bos_id": 256, "eos_id": 257}
+    write_manifest(str(folder), {"dtype": "uint8", "tokenizer": tokenizer, "splits": {"train": writer.close()}})
+
+
+def test_token_source_checks(shards, tmp_path) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    src = build_source("tokens", str(shards))
+    assert len(src) == manifest["splits"]["train"]["documents"]
+    assert len(build_source("tokens", str(shards), split="val", val_fraction=1.0)) == manifest["documents"]
+    with pytest.raises(DataError, match="made with tokenizer 'byte'"):
+        src.check_tokenizer(type("Other", (), {"fingerprint": "sha256:0123", "vocab_size": 300})())
+    uint8_tokens(tmp_path)
+    with pytest.raises(DataError, match="token dtype uint8 holds ids below 256"):
+        build_source("tokens", str(tmp_path)).check_tokenizer(ByteTokenizer())
+    with open(tmp_path / "train-00000.bin", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(DataError, match=r"train-00000\.bin has 11 bytes, manifest\.json says 10"):
+        build_source("tokens", str(tmp_path))
+    (tmp_path / "manifest.json").unlink()
+    with pytest.raises(DataError, match="no manifest.json"):
+        build_source("tokens", str(tmp_path))
+    with pytest.raises(DataError, match="does not exist"):
+        build_source("tokens", str(tmp_path / "nowhere"))
+
+
+def test_no_val_split_is_reported(corpus, tmp_path) -> None:
+    _prepare(corpus[0], tmp_path, val_fraction=0.0)
+    with pytest.raises(DataError, match="the val split has no documents"):
+        build_source("tokens", str(tmp_path), split="val")
+
+
+def _batches(shards, rank: int, world: int, local: int, n: int, **kw):
+    loader = build_dataloader(
+        dataset="tokens",
+        dataset_path=str(shards),
+        tokenizer=ByteTokenizer(),
+        dp_rank=rank,
+        dp_world_size=world,
+        local_batch_size=local,
+        seq_len=32,
+        seed=2,
+        **kw,
+    )
+    it = iter(loader)
+    return loader, it, [next(it) for _ in range(n)]
+
+
+def test_tokens_global_batches_do_not_depend_on_the_dp_layout(shards) -> None:
+    def hashes(world: int) -> list[str]:
+        per_rank = [_batches(shards, r, world, 32 // world, 20)[2] for r in range(world)]
+        out = []
+        for step in range(20):
+            rows = [None] * 32
+            for r in range(world):
+                for i, x in enumerate(per_rank[r][step][0]):
+                    rows[r + world * i] = x
+            out.append(hashlib.sha256(torch.stack(rows).numpy().tobytes()).hexdigest())
+        return out
+
+    reference = hashes(1)
+    assert hashes(2) == reference and hashes(4) == reference
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_tokens_loader_resume_is_exact(shards, num_workers: int) -> None:
+    *_, uninterrupted = _batches(shards, 1, 2, 4, 30, num_workers=num_workers)
+    loader, _, first = _batches(shards, 1, 2, 4, 18, num_workers=num_workers)
+    state = loader.state_dict()
+    resumed, _, _ = _batches(shards, 1, 2, 4, 0, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    rest = [next(it) for _ in range(12)]
+    for (x, y), (u, v) in zip(first + rest, uninterrupted, strict=True):
+        assert torch.equal(x, u) and torch.equal(y, v)
