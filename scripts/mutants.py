@@ -183,8 +183,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hsdp-publish-skipped",
         "titan_dmuon/dmuon/muon.py",
-        "pgroup.publish_work = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])",
-        "pgroup.publish_work = None",
+        "publish = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])",
+        "publish = _replicate.publish(pgroup, [])",
         ("tests/distributed/test_dmuon_hsdp_ddp.py",),
         "HSDP/DDP: only the owner's replica sees the update; the other replicas train on stale weights",
     ),

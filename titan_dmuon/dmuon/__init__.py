@@ -10,12 +10,12 @@ optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch.nn as nn
 
 from . import partition
 from .api import (
-    _require_state,
     dedicate_params,
     dedicate_params_ddp,
     dedicate_params_ddp_tp,
@@ -30,43 +30,54 @@ from .checkpoint import (
     set_optimizer_state_dict,
 )
 from .clip import clip_grad_norm_
+from .ddp import replicate_no_sync
 from .fsdp2_patch import install_patch
 from .muon import Muon
 from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
 from .param import DedicatedParam
+from .state import state_of, unwrap
 
 install_patch()
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module):
-    """Skip gradient communication inside the block (grad accumulation): DMuon's reduces and FSDP2's.
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient communication inside the block (grad accumulation): DMuon's reduces, FSDP2's,
+    `replicate`'s, and, for a model wrapped in torch's DistributedDataParallel, DDP's own `no_sync()`.
 
-    Local grads accumulate on every rank; the first backward outside the block reduces the sum.
+    Local grads accumulate on every rank; the first backward outside the block reduces the sum. Put the
+    forward inside the block too (DDP's rule).
     """
+    state = state_of(model, "no_sync")
+    module = unwrap(model)
+    with contextlib.ExitStack() as stack:
+        if model is not module:  # torch DDP's own switch
+            stack.enter_context(model.no_sync())
+        stack.enter_context(_fsdp_no_sync(module))
+        stack.enter_context(replicate_no_sync(module))
+        stack.enter_context(state.no_sync())
+        yield
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    """FSDP2's gradient reduce-scatter off inside the block, on every FSDP2 module of `module`."""
     from torch.distributed.fsdp import FSDPModule
 
-    state = _require_state(model, "no_sync")
-    ddp = getattr(model, "_dmuon_replicate", None)
-    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
     for m in fsdp:
         m.set_requires_gradient_sync(False, recurse=False)
-    if ddp is not None:
-        ddp.sync_grads = False
     try:
-        with state.no_sync():
-            yield
+        yield
     finally:
         for m in fsdp:
             m.set_requires_gradient_sync(True, recurse=False)
-        if ddp is not None:
-            ddp.sync_grads = True
 
 
 def comm_stats(model: nn.Module) -> dict[str, dict[str, float]]:
     """What DMuon moved on this rank in the last completed step: elements and bytes per collective kind
     (the byte ledger; see docs/dmuon.md, "Bytes per step")."""
-    ledger = _require_state(model, "comm_stats").ledger
+    ledger = state_of(model, "comm_stats").ledger
     return {"elements": dict(ledger.last_step), "bytes": dict(ledger.last_step_bytes)}
 
 
@@ -75,7 +86,7 @@ def drain(model: nn.Module) -> None:
 
     Call it before reading the live params outside the training step or before destroying the process group.
     """
-    _require_state(model, "drain").drain_publish()
+    state_of(model, "drain").drain_publish()
 
 
 __all__ = [

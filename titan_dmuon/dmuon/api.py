@@ -8,20 +8,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
+from . import ddp as _ddp
 from . import replicate_axis as _replicate
 from . import tp as _tp
-from .group import DedicatedParamGroup, DMuonState
+from .group import DedicatedParamGroup
 from .hooks import resolve_hook_modules
-from .param import DedicatedParam, _local_of
+from .param import DedicatedParam, local_of
 from .partition import PartitionItem, compute_balanced_assignment
+from .state import DMuonState, attach_state, find_state, state_of
 
 Predicate = Callable[[str, nn.Parameter], bool]
 Owner = int | tuple[int, int]
-
-
-def _get_state(model: nn.Module) -> DMuonState | None:
-    return getattr(model, "_dmuon_state", None)
 
 
 def _check_mesh(mesh: DeviceMesh, what: str, expected_name: str | None) -> None:
@@ -47,6 +47,11 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
         raise RuntimeError(
             "dedicate_params must be called before fully_shard: FSDP2 already owns this model's params. "
             "Order: parallelize_module (TP) -> dmuon.dedicate_params -> fully_shard"
+        )
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise RuntimeError(
+            "dedicate_params must be called before DistributedDataParallel wraps the model (DDP has already "
+            "bucketed every param): dmuon.dedicate_params_ddp(model, mesh, predicate), then DDP(model)"
         )
     selected = []
     for name, p in model.named_parameters():
@@ -84,7 +89,7 @@ def dedicate_params(
     coordinates over all G·R slots). `reshard_after_forward=True` is DMuon-Z3, False DMuon-Z2.
     Returns each dedicated param's owner: `int` (1D) or `(shard, replicate)` (HSDP).
     """
-    if _get_state(model) is not None:
+    if find_state(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model: call it once, for all params")
     _check_mesh(mesh, "mesh", "shard" if replicate_mesh is not None else None)
     if replicate_mesh is not None:
@@ -137,7 +142,7 @@ def _dedicate(
     by_module: dict[str, list[DedicatedParam]] = {}
     for name, p in selected:
         slot, lay = slots[name], layouts[name]
-        local = _local_of(p)
+        local = local_of(p)
         dp = DedicatedParam(
             fqn=name,
             param=p,
@@ -169,7 +174,7 @@ def _dedicate(
         )
         group.register_hooks()
         state.groups.append(group)
-    model._dmuon_state = state
+    attach_state(model, state)
     # The global owner's value is authoritative: make its column peers agree before the first forward.
     for g in state.groups:
         _replicate.publish(g).wait()
@@ -204,7 +209,8 @@ def dedicate_params_ddp(
     """DDP path (docs/dmuon.md, "DDP"): every rank keeps the live full param; each grad is averaged onto
     its owner, only the owner runs NS, and after the step the owner broadcasts the updated param.
 
-    Use `replicate(model, mesh)` for the other params. Returns each dedicated param's owner rank in `mesh`.
+    For the other params, either `replicate(model, mesh)` or torch's `DistributedDataParallel(model)`: the
+    dedicated params are marked for DDP to ignore. Returns each dedicated param's owner rank in `mesh`.
     """
     return _dedicate_ddp(
         "dedicate_params_ddp",
@@ -250,7 +256,7 @@ def _dedicate_ddp(
     tp_buffer_reuse,
 ) -> dict[nn.Parameter, int]:
     """The DDP paths: DMuon's replicate axis is the whole DP mesh (no shard axis); owners as mesh ranks."""
-    if _get_state(model) is not None:
+    if find_state(model) is not None:
         raise RuntimeError(f"{what}: DMuon was already applied to this model: call it once")
     _check_mesh(mesh, "mesh", None)
     selected = _select(model, predicate)
@@ -274,36 +280,76 @@ def _dedicate_ddp(
         mode="ddp",
         tp_buffer_reuse=tp_buffer_reuse,
     )
+    _ddp.ignore_in_torch_ddp(model, [name for name, _ in selected])
     return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}
 
 
-def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """DDP + TP for the params DMuon does not own: their TP-local shards replicated along the DP mesh."""
-    return replicate(model, mesh)
-
-
 def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """DDP for every param DMuon does not own: same start on every rank, grads averaged after backward."""
-    from .ddp import replicate_params
+    """DDP for every param DMuon does not own: same start on every rank, grads averaged after backward.
 
+    An alternative to wrapping the model in torch's DistributedDataParallel (use one or the other). A model
+    with DTensor (tensor-parallel) params goes through `replicate_tp`, which checks the mesh against them.
+    """
     _check_mesh(mesh, "mesh", None)
-    state = _get_state(model)
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"replicate: '{name}' is a DTensor (tensor parallelism): use dmuon.replicate_tp(model, mesh['dp']), "
+                "which checks that the mesh is the DP slice of its TP mesh"
+            )
+    return _replicate_rest(model, mesh)
+
+
+def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP + TP for every param DMuon does not own (docs/dmuon.md, "Tensor parallelism"): each rank's
+    TP-local shard is replicated along `mesh`, which must be the DP slice (`mesh["dp"]` of a (dp, tp) mesh).
+
+    The gradient all-reduce averages local shards, so it is right only among ranks that hold the same shard:
+    `mesh` must be named (TP dims are told from DP dims by name), no DTensor param may live on a mesh with
+    `mesh`'s dim, and `mesh` must meet each DTensor's mesh in this rank alone (a 1D world mesh would average
+    different TP shards together). A partial (TP-reduced) grad is redistributed to its param's placements
+    before the all-reduce.
+    """
+    _check_mesh(mesh, "mesh", None)
+    if mesh.mesh_dim_names is None:
+        raise ValueError(
+            "replicate_tp: the DP mesh has no dim name: build the mesh with mesh_dim_names (e.g. "
+            "init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp'))) and pass mesh['dp']"
+        )
+    dp_name, me = mesh.mesh_dim_names[0], dist.get_rank()
+    dp_ranks = set(mesh.mesh.flatten().tolist())
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        tp_mesh = p.device_mesh
+        if dp_name in (tp_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"replicate_tp: '{name}' is a DTensor on a mesh with the DP dim {dp_name!r} "
+                f"{tp_mesh.mesh_dim_names}: replicate_tp replicates TP-local shards along the DP mesh, so the "
+                "params must be TP-parallelized on the TP slice (parallelize_module(model, mesh['tp'], plan))"
+            )
+        shared = dp_ranks & set(tp_mesh.mesh.flatten().tolist())
+        if shared != {me}:
+            raise ValueError(
+                f"replicate_tp: the mesh {mesh.mesh_dim_names} is not the DP slice for '{name}': it shares ranks "
+                f"{sorted(shared)} with that param's TP mesh {tp_mesh.mesh_dim_names}, so different TP shards "
+                "would be averaged together: pass mesh['dp'] of the (dp, tp) mesh"
+            )
+    return _replicate_rest(model, mesh)
+
+
+def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """`replicate`'s and `replicate_tp`'s body: every trainable param DMuon does not own, replicated on `mesh`."""
+    state = find_state(model)
     dedicated = state.by_param if state is not None else {}
     params = [p for p in model.parameters() if p.requires_grad and p not in dedicated]
-    replicate_params(model, params, mesh.get_group())
+    _ddp.replicate_params(model, params, mesh.get_group())
     return model
 
 
 def get_owned_params(model: nn.Module, rank: int | None = None) -> list[DedicatedParam]:
     """The dedicated params whose global owner is `rank` (default: this process's global rank)."""
-    state = _require_state(model, "get_owned_params")
+    state = state_of(model, "get_owned_params")
     rank = dist.get_rank() if rank is None else rank
     shard, rep, tp = state.coords[rank]
     return [dp for dp in state.dparams if state.owner_global_rank(dp, tp) == rank]
-
-
-def _require_state(model: nn.Module, what: str) -> DMuonState:
-    state = _get_state(model)
-    if state is None:
-        raise RuntimeError(f"{what}: the model has no dedicated params: call dmuon.dedicate_params first")
-    return state

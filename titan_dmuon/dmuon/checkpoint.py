@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import tp as _tp
-from .api import _require_state
 from .param import DedicatedParam
+from .state import state_of, unwrap
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,8 @@ def _local_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    state = _require_state(model, "get_model_state_dict")
+    state = state_of(model, "get_model_state_dict")
+    model = unwrap(model)
     state.drain_publish()
     out: dict[str, torch.Tensor] = {}
     for fqn, t in model.state_dict(keep_vars=True).items():
@@ -58,7 +59,8 @@ def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
-    state = _require_state(model, "set_model_state_dict")
+    state = state_of(model, "set_model_state_dict")
+    model = unwrap(model)
     state.drain_publish()
     state.reshard_all()
     current = model.state_dict(keep_vars=True)
@@ -87,7 +89,8 @@ def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    state = _require_state(model, "get_optimizer_state_dict")
+    state = state_of(model, "get_optimizer_state_dict")
+    model = unwrap(model)
     state.drain_publish()
     names = {p: n for n, p in model.named_parameters()}
     # which dedicated params have a momentum buffer yet (it lives on the owners only): one all-reduce
@@ -121,7 +124,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    state = _require_state(model, "set_optimizer_state_dict")
+    state = state_of(model, "set_optimizer_state_dict")
+    model = unwrap(model)
     state.drain_publish()
     params = dict(model.named_parameters())
     if len(sd["param_groups"]) != len(optimizer.param_groups):

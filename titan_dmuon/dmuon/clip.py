@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .api import _require_state
+from .state import state_of, unwrap
 
 
 def _dtensor_sq_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor:
@@ -34,7 +34,8 @@ def clip_grad_norm_(
     """
     if norm_type != 2.0:
         raise ValueError("dmuon.clip_grad_norm_ supports the L2 norm only")
-    state = _require_state(model, "clip_grad_norm_")
+    state = state_of(model, "clip_grad_norm_")
+    model = unwrap(model)
     owned = [dp._reduced_grad for dp in state.dparams if dp.is_owner and dp._reduced_grad is not None]
     device = next(model.parameters()).device
     ded_sq = torch.zeros((), dtype=torch.float32, device=device)

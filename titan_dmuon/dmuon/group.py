@@ -10,17 +10,18 @@ reduces, owners keep `_reduced_grad`.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from . import replicate_axis as _replicate
-from .comm import CommLedger, Work, broadcast_coalesced, reduce_coalesced
+from .comm import Work, broadcast_coalesced, reduce_coalesced
 from .param import DedicatedParam
+
+if TYPE_CHECKING:
+    from .state import DMuonState
 
 
 def _in_backward() -> bool:
@@ -75,8 +76,8 @@ class DedicatedParamGroup:
             _free_storage(self.buffer)
         self.unsharded = self.live
         self._unshard_work: Work | None = None
-        self.publish_work: Work | None = None  # HSDP post-step publish, consumed by the next unshard
-        self.deferred_step: Any = None  # async TP: scatter wait + update + publish, run at the next unshard
+        self._publish: Work | None = None  # post-step publish (HSDP/DDP), consumed by the next unshard
+        self._deferred: Callable[[], Work] | None = None  # async TP: scatter wait + update + its publish
         self._grads_ready = 0
         self._reduced = False
         self._handles: list[Any] = []
@@ -120,14 +121,25 @@ class DedicatedParamGroup:
         _free_storage(self.buffer)
         self.unsharded = False
 
+    # ---- step: the optimizer's handoff ---------------------------------------------------------------
+    def after_step(self, publish: Work, finish: Callable[[], Work] | None = None) -> None:
+        """What `Muon.step()` leaves in flight for this group: the publish of its updated params and, for TP
+        params, the tail of the update (wait for the scatter, apply, publish), which returns its own publish.
+        Both are consumed by the next `wait_publish` (next pre-forward, next step, a state dict, drain), so
+        the tail runs at the same point on every rank of the owner's column."""
+        if self._publish is not None or self._deferred is not None:
+            raise RuntimeError(f"group '{self.module_fqn}': the previous step's publish was not consumed")
+        self._publish, self._deferred = publish, finish
+
     def wait_publish(self) -> None:
         """Consume the post-step publish: after it, the owner column agrees (I4)."""
-        if self.deferred_step is not None:
-            finish, self.deferred_step = self.deferred_step, None
-            finish()
-        if self.publish_work is not None:
-            self.publish_work.wait()
-            self.publish_work = None
+        if self._deferred is not None:
+            finish, self._deferred = self._deferred, None
+            work = finish()
+            self._publish = work if self._publish is None else self._publish.merge(work)
+        if self._publish is not None:
+            self._publish.wait()
+            self._publish = None
             if self.live:  # DDP with a low-precision param: refresh it from the fp32 master
                 for dp in self.params:
                     if dp._owned_data.data_ptr() != dp.local.data_ptr():
@@ -170,6 +182,11 @@ class DedicatedParamGroup:
                     dp._reduced_grad = g.to(torch.float32, copy=True)
                 else:
                     dp._reduced_grad.add_(g)
+
+    def reduce_if_partial(self) -> None:
+        """End of backward: reduce a group whose grads only partly arrived (the missing ones as zeros)."""
+        if self._grads_ready > 0 and not self._reduced:
+            self.reduce_grads()
 
     def reset_backward(self) -> None:
         self._grads_ready = 0
@@ -217,117 +234,3 @@ def _register_pre_backward(group: DedicatedParamGroup, output: Any) -> Any:
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: group.pre_backward(), mode="any")
     return output
-
-
-class DMuonState:
-    """Per-model DMuon state: meshes, groups in forward order, the reduce pipeline, the ledger."""
-
-    def __init__(
-        self,
-        *,
-        shard_mesh,
-        replicate_mesh,
-        reshard_after_forward: bool,
-        mode: str = "fsdp",
-        tp_rank: int = 0,
-        tp_buffer_reuse=False,
-    ):
-        self.shard_mesh = shard_mesh
-        self.replicate_mesh = replicate_mesh
-        # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
-        self.shard_group = shard_mesh.get_group() if shard_mesh is not None else None
-        self.replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
-        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
-        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
-        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
-        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
-        self.reshard_after_forward = reshard_after_forward
-        self.mode = mode
-        self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
-        kinds = {
-            False: (),
-            True: ("gather", "scatter"),
-            "all": ("gather", "scatter"),
-            "gather": ("gather",),
-            "scatter": ("scatter",),
-        }[tp_buffer_reuse]
-        self.tp_buffers = {"kinds": kinds, "store": {}} if kinds else None
-        self.groups: list[DedicatedParamGroup] = []
-        self.dparams: list[DedicatedParam] = []
-        self.by_param: dict[nn.Parameter, DedicatedParam] = {}
-        self.ledger = CommLedger()
-        self.sync_grads = True
-        self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
-        self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
-        self._callback_queued = False
-        # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
-        coords: list = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
-        self.coords = coords
-        self.coord_to_global = {c: r for r, c in enumerate(coords)}
-
-    def owner_global_rank(self, dp: DedicatedParam, tp_rank: int | None = None) -> int:
-        """Global rank of a param's DP owner in the DP slice of TP rank `tp_rank` (default: this rank's)."""
-        tp = self.tp_rank if tp_rank is None else tp_rank
-        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate, tp)]
-
-    def shard_global_rank(self, shard: int) -> int:
-        return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()
-
-    def replicate_global_rank(self, rep: int) -> int:
-        return dist.get_global_rank(self.replicate_group, rep)
-
-    def next_group(self, g: DedicatedParamGroup) -> DedicatedParamGroup | None:
-        return self.groups[g.index + 1] if g.index + 1 < len(self.groups) else None
-
-    def prev_group(self, g: DedicatedParamGroup) -> DedicatedParamGroup | None:
-        return self.groups[g.index - 1] if g.index > 0 else None
-
-    # ---- reduce pipeline ------------------------------------------------------------------------------
-    def enqueue_reduce(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
-        self._pending.append((group, gbuf, work))
-        # Keep one stage-1 reduce in flight; start stage 2 (replicate axis) of the older ones meanwhile.
-        while len(self._pending) > 1:
-            self._start_stage2(*self._pending.pop(0))
-
-    def _start_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
-        work.wait()
-        self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf)))
-
-    def queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def finish_backward(self) -> None:
-        """End of backward: reduce groups whose grads only partly arrived, drain both stages, reshard."""
-        self._callback_queued = False
-        for g in self.groups:
-            if g._grads_ready > 0 and not g._reduced:
-                g.reduce_grads()
-        while self._pending:
-            self._start_stage2(*self._pending.pop(0))
-        for group, gbuf, work in self._stage2:
-            work.wait()
-            group.finish_reduce(gbuf)
-        self._stage2.clear()
-        for g in self.groups:
-            g.reset_backward()
-            if self.mode == "fsdp":
-                g.reshard()
-
-    def drain_publish(self) -> None:
-        for g in self.groups:
-            g.wait_publish()
-
-    def reshard_all(self) -> None:
-        for g in self.groups:
-            g.reshard()
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        prev, self.sync_grads = self.sync_grads, False
-        try:
-            yield
-        finally:
-            self.sync_grads = prev

@@ -19,7 +19,9 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from . import replicate_axis as _replicate
 from . import tp as _tp
+from .comm import Work
 from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
+from .state import state_of, unwrap
 
 _MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -40,7 +42,8 @@ class Muon(torch.optim.Optimizer):
 
     Param groups carry `kind` "muon" or "adamw" so an lr scheduler scales both halves. `param_groups` is
     an optional list of `{"params": [...], **overrides}` dicts; each listed param takes those overrides
-    (keys of its own kind), every other param the defaults.
+    (keys of its own kind), every other param the defaults. `model` may be wrapped in torch's
+    DistributedDataParallel (after `dedicate_params_ddp`).
     """
 
     def __init__(
@@ -63,12 +66,9 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
     ):
-        state = getattr(model, "_dmuon_state", None)
-        if state is None:
-            raise RuntimeError(
-                "dmuon.Muon was built before dmuon.dedicate_params: call dedicate_params(model, mesh, "
-                "predicate) first (then fully_shard), and build the optimizer last"
-            )
+        state = state_of(model, "dmuon.Muon")
+        model = unwrap(model)
+        _check_registered(model, state)
         adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
         resolve_coefficients(ns_coefficients, ns_steps)
         self.model = model
@@ -162,17 +162,13 @@ class Muon(torch.optim.Optimizer):
                     ns_time += time.perf_counter() - t0
                     ns_calls += 1
                 job.scatter(ortho, like=job.dp._owned_data)
-            pgroup.publish_work = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])
+            publish = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])
             # TP params wait for their scatter before the update, then publish: every rank of the owner's
-            # column (owner or peer) runs this at the same point, at once (sync) or in the next unshard.
+            # column (owner or peer) runs this tail at the same point (the group's next wait_publish).
             tp_column = [dp for dp in pgroup.params if dp.tp_group is not None and dp.in_owner_column]
-            if tp_jobs or tp_column:
-                finish = functools.partial(_finish_tp, pgroup, tp_jobs, tp_column)
-                if self.replicate_async:
-                    pgroup.deferred_step = finish
-                else:
-                    finish()
-        if not self.replicate_async:
+            finish = functools.partial(_finish_tp, pgroup, tp_jobs, tp_column) if tp_jobs or tp_column else None
+            pgroup.after_step(publish, finish)
+        if not self.replicate_async:  # sync: consume every group's handoff before step() returns
             st.drain_publish()
         st.ledger.end_step()
         self.last_step_stats = {
@@ -255,9 +251,21 @@ def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
     data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
 
 
-def _finish_tp(pgroup, tp_jobs, tp_column) -> None:
+def _finish_tp(pgroup, tp_jobs, tp_column) -> Work:
     """Wait for the TP scatters, apply the shards' updates, then publish them over the replicate axis."""
     for job, opts in tp_jobs:
         _apply_update(job.dp, job.wait(), opts)
-    work = _replicate.publish(pgroup, tp_column)
-    pgroup.publish_work = work if pgroup.publish_work is None else pgroup.publish_work.merge(work)
+    return _replicate.publish(pgroup, tp_column)
+
+
+def _check_registered(model: nn.Module, state) -> None:
+    """Every dedicated param must still be the one the model holds: a wrapper that swaps params (torch DDP's
+    TP transform turns DTensor params into new local ones) would leave DMuon's hooks on dead tensors."""
+    registered = set(model.parameters())
+    lost = [dp.fqn for dp in state.dparams if dp.param not in registered]
+    if lost:
+        raise RuntimeError(
+            f"dmuon.Muon: the dedicated params {lost[:3]} are no longer registered in the model (something "
+            "replaced them after dedicate_params; torch DistributedDataParallel over a TP mesh does): with TP "
+            "use dmuon.replicate_tp(model, mesh['dp']) instead of DistributedDataParallel"
+        )

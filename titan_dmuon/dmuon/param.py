@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .group import DedicatedParamGroup
 
 
-def _local_of(t: torch.Tensor | None) -> torch.Tensor | None:
+def local_of(t: torch.Tensor | None) -> torch.Tensor | None:
     """The plain tensor behind `t`: a DTensor's local (TP) shard, anything else as it is."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -53,11 +53,11 @@ class DedicatedParam:
     @property
     def local(self) -> torch.Tensor:
         """The plain tensor behind the param: its DTensor's local shard, or the param itself."""
-        return _local_of(self.param)
+        return local_of(self.param)
 
     @property
     def local_grad(self) -> torch.Tensor | None:
-        return _local_of(self.param.grad)
+        return local_of(self.param.grad)
 
     @property
     def is_tp_owner(self) -> bool:

@@ -1,0 +1,169 @@
+"""DMuonState: what DMuon keeps per model (meshes, groups in forward order, the reduce pipeline, the ledger),
+and the one way the rest of the package finds it from a model (`state_of`).
+
+The state hangs off the module `dedicate_params*` was given. A torch `DistributedDataParallel` wrapper around
+that module is looked through (`unwrap`), so every public function accepts the wrapped model as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import replicate_axis as _replicate
+from .comm import CommLedger, Work
+
+if TYPE_CHECKING:
+    from .group import DedicatedParamGroup
+    from .param import DedicatedParam
+
+_ATTR = "_dmuon_state"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module DMuon was applied to: torch DDP's `.module` for a DistributedDataParallel wrapper."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def find_state(model: nn.Module) -> DMuonState | None:
+    """The model's DMuon state, or None before `dedicate_params*` (a DDP wrapper is looked through)."""
+    return getattr(unwrap(model), _ATTR, None)
+
+
+def state_of(model: nn.Module, what: str) -> DMuonState:
+    """The model's DMuon state; `what` (the caller's name) leads the error when there is none."""
+    state = find_state(model)
+    if state is None:
+        raise RuntimeError(
+            f"{what}: the model has no dedicated params (was it called before dmuon.dedicate_params?): call "
+            "dmuon.dedicate_params(model, mesh, predicate) (or dedicate_params_ddp) first, then fully_shard or "
+            "DistributedDataParallel, and build dmuon.Muon last"
+        )
+    return state
+
+
+def attach_state(model: nn.Module, state: DMuonState) -> None:
+    """Record `state` as the model's (once: `dedicate_params*` refuses a model that has one)."""
+    setattr(model, _ATTR, state)
+
+
+class DMuonState:
+    """Per-model DMuon state: meshes, groups in forward order, the reduce pipeline, the ledger."""
+
+    def __init__(
+        self,
+        *,
+        shard_mesh,
+        replicate_mesh,
+        reshard_after_forward: bool,
+        mode: str = "fsdp",
+        tp_rank: int = 0,
+        tp_buffer_reuse: bool | str = False,
+    ):
+        self.shard_mesh = shard_mesh
+        self.replicate_mesh = replicate_mesh
+        # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
+        self.shard_group = shard_mesh.get_group() if shard_mesh is not None else None
+        self.replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
+        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
+        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
+        self.reshard_after_forward = reshard_after_forward
+        self.mode = mode
+        self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
+        kinds = {
+            False: (),
+            True: ("gather", "scatter"),
+            "all": ("gather", "scatter"),
+            "gather": ("gather",),
+            "scatter": ("scatter",),
+        }[tp_buffer_reuse]
+        self.tp_buffers = {"kinds": kinds, "store": {}} if kinds else None
+        self.groups: list[DedicatedParamGroup] = []
+        self.dparams: list[DedicatedParam] = []
+        self.by_param: dict[nn.Parameter, DedicatedParam] = {}
+        self.ledger = CommLedger()
+        self.sync_grads = True
+        self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
+        self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
+        self._callback_queued = False
+        # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
+        coords: list = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
+        self.coords = coords
+        self.coord_to_global = {c: r for r, c in enumerate(coords)}
+
+    def owner_global_rank(self, dp: DedicatedParam, tp_rank: int | None = None) -> int:
+        """Global rank of a param's DP owner in the DP slice of TP rank `tp_rank` (default: this rank's)."""
+        tp = self.tp_rank if tp_rank is None else tp_rank
+        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate, tp)]
+
+    def shard_global_rank(self, shard: int) -> int:
+        return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()
+
+    def replicate_global_rank(self, rep: int) -> int:
+        return dist.get_global_rank(self.replicate_group, rep)
+
+    def next_group(self, g: DedicatedParamGroup) -> DedicatedParamGroup | None:
+        return self.groups[g.index + 1] if g.index + 1 < len(self.groups) else None
+
+    def prev_group(self, g: DedicatedParamGroup) -> DedicatedParamGroup | None:
+        return self.groups[g.index - 1] if g.index > 0 else None
+
+    # ---- reduce pipeline ------------------------------------------------------------------------------
+    def enqueue_reduce(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
+        self._pending.append((group, gbuf, work))
+        # Keep one stage-1 reduce in flight; start stage 2 (replicate axis) of the older ones meanwhile.
+        while len(self._pending) > 1:
+            self._start_stage2(*self._pending.pop(0))
+
+    def _start_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
+        work.wait()
+        self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf)))
+
+    def queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce groups whose grads only partly arrived, drain both stages, reshard."""
+        self._callback_queued = False
+        for g in self.groups:
+            g.reduce_if_partial()
+        while self._pending:
+            self._start_stage2(*self._pending.pop(0))
+        for group, gbuf, work in self._stage2:
+            work.wait()
+            group.finish_reduce(gbuf)
+        self._stage2.clear()
+        for g in self.groups:
+            g.reset_backward()
+            if self.mode == "fsdp":
+                g.reshard()
+
+    def drain_publish(self) -> None:
+        """Consume every group's post-step handoff (publish in flight, deferred TP tail), in group order."""
+        for g in self.groups:
+            g.wait_publish()
+
+    def reshard_all(self) -> None:
+        for g in self.groups:
+            g.reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DMuon's reduces off inside the block: local grads accumulate in `param.grad`."""
+        prev, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = prev
