@@ -61,7 +61,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/__init__.py",
         PREPEND,
         _SANITY.format(where="the pytest process"),
-        ("tests/unit/test_comm_ledger.py",),
+        ("tests/unit/dmuon/test_comm_ledger.py",),
         "not a bug: if this survives, the tests ran the real tree's code instead of the mutated copy",
         expect="mutant sanity check: the pytest process",
     ),
@@ -118,7 +118,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/dmuon/muon.py",
         'return grad.lerp(buf, mu) if opts["nesterov"] else buf',
         "return buf",
-        ("tests/unit/test_muon_update.py",),
+        ("tests/unit/dmuon/test_muon_update.py",),
         "nesterov=True (the default) silently trains with plain momentum",
     ),
     Mutant(
@@ -126,7 +126,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/dmuon/muon.py",
         'return grad.lerp(buf, mu) if opts["nesterov"] else buf',
         'return grad.lerp(buf, mu) if opts["nesterov"] else grad',
-        ("tests/unit/test_muon_update.py", "tests/distributed/test_dmuon_options.py"),
+        ("tests/unit/dmuon/test_muon_update.py", "tests/distributed/test_dmuon_options.py"),
         "optimizer.nesterov = false trains without momentum at all",
     ),
     Mutant(
@@ -144,7 +144,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/dmuon/muon.py",
         "return lr * 0.2 * math.sqrt(max(a, b))",
         "return lr * 0.2 * math.sqrt(min(a, b))",
-        ("tests/unit/test_muon_update.py", "tests/integration/test_train_reference.py"),
+        ("tests/unit/dmuon/test_muon_update.py", "tests/integration/test_train_reference.py"),
         "the default adjust_lr_fn under-scales every rectangular matrix (the FFN ones) by sqrt(long/short)",
     ),
     Mutant(
@@ -177,7 +177,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/dmuon/partition.py",
         "units.sort(key=lambda u: (-u[0], u[1]))",
         "units.sort(key=lambda u: (u[0], u[1]))",
-        ("tests/unit/test_partition.py",),
+        ("tests/unit/dmuon/test_partition.py",),
         "owners assigned smallest-first: the Newton-Schulz work is unbalanced and the slowest rank sets the pace",
     ),
     Mutant(
@@ -218,7 +218,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/dmuon/comm.py",
         "self.current[kind] += share\n",
         "self.current[kind] += 2 * share\n",
-        ("tests/unit/test_comm_ledger.py",),
+        ("tests/unit/dmuon/test_comm_ledger.py",),
         "the dmuon/elements_* metrics report twice the traffic (a wrong Z2/Z3 or HSDP cost comparison)",
     ),
 )

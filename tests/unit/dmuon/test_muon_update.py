@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from tests.reference import POLAR_EXPRESS
@@ -43,15 +42,6 @@ def ns(u: torch.Tensor, coefficients: str, steps: int = 5, eps: float = 1e-7) ->
         A = x @ x.T
         x = a * x + (b * A + c * A @ A) @ x
     return x.T if tall else x
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """dmuon needs a process group: one gloo rank over an in-memory store."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Mats(nn.Module):
