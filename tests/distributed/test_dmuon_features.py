@@ -1,5 +1,6 @@
 """DMuon features on real gloo ranks: grad accumulation and no_sync, global-norm clipping, state dicts and
-restart, hook boundaries, param dtype, the FSDP2 patch, and the error messages."""
+restart, hook boundaries, param dtype and the FSDP2 patch. The error messages are checked on one rank in
+tests/unit/dmuon/ (test_api.py, test_muon.py)."""
 
 from __future__ import annotations
 
@@ -289,44 +290,3 @@ def _check_bf16_run(results):
             if proj_predicate(k, ref["sd"][k])
         ]
         assert min(errs) > 2 * BF16_UPDATE_RTOL, (wrong, min(errs))
-
-
-def _errors(rank: int, world_size: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from titan_dmuon import dmuon
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    msgs = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            msgs[key] = f"{type(e).__name__}: {e}"
-
-    m = TinyMLP(D, FF, 1)
-    catch("non2d", lambda: dmuon.dedicate_params(m, mesh, lambda n, p: "layers" in n))
-    catch("muon_first", lambda: dmuon.Muon(TinyMLP(D, FF, 1)))
-    m2 = TinyMLP(D, FF, 1)
-    fully_shard(m2, mesh=mesh)
-    catch("after_fsdp", lambda: dmuon.dedicate_params(m2, mesh, proj_predicate))
-    m3 = TinyMLP(D, FF, 1)
-    dmuon.dedicate_params(m3, mesh, proj_predicate)
-    catch("twice", lambda: dmuon.dedicate_params(m3, mesh, proj_predicate))
-    mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
-    catch("mesh2d", lambda: dmuon.dedicate_params(TinyMLP(D, FF, 1), mesh2d, proj_predicate))
-    catch("none", lambda: dmuon.dedicate_params(TinyMLP(D, FF, 1), mesh, lambda n, p: False))
-    return msgs
-
-
-@pytest.mark.slow
-def test_error_messages_name_the_problem():
-    msgs = run_distributed(_errors, 2)[0]
-    assert "ValueError" in msgs["non2d"] and "layers.0.ln.weight" in msgs["non2d"] and "p.ndim == 2" in msgs["non2d"]
-    assert "before dmuon.dedicate_params" in msgs["muon_first"]
-    assert "before fully_shard" in msgs["after_fsdp"]
-    assert "already called" in msgs["twice"]
-    assert "1D mesh" in msgs["mesh2d"] and "replicate_mesh" in msgs["mesh2d"]
-    assert "selected no 2D parameter" in msgs["none"]
