@@ -189,6 +189,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "HSDP/DDP: only the owner's replica sees the update; the other replicas train on stale weights",
     ),
     Mutant(
+        "torch-ddp-not-ignored",
+        "titan_dmuon/dmuon/api.py",
+        "    _ddp.ignore_in_torch_ddp(model, [name for name, _ in selected])\n",
+        "",
+        ("tests/unit/dmuon/test_ddp.py", "tests/distributed/test_dmuon_hsdp_ddp.py"),
+        "torch DDP also buckets and all-reduces the dedicated matrices DMuon already reduces to their owners",
+    ),
+    Mutant(
+        "tp-deferred-tail-dropped",
+        "titan_dmuon/dmuon/group.py",
+        "            work = finish()\n",
+        "            work = Work()\n",
+        ("tests/distributed/test_dmuon_tp.py",),
+        "TP matrices never get their update (or their publish) applied: the scatter is awaited by no one",
+    ),
+    Mutant(
         "z3-backward-rebroadcast-skipped",
         "titan_dmuon/dmuon/group.py",
         '        self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',

@@ -1,6 +1,7 @@
 """One training harness for the DMuon distributed tests: builds the model on a 1D FSDP2, HSDP or DDP
-layout, trains it, checks the invariants I1-I4 (docs/dmuon.md, Invariants) on every rank as it goes, and
-records per step what the parity checks compare with the single-process reference: the loss, the global
+(dmuon.replicate, or torch's DistributedDataParallel) layout, trains it (optionally with grad accumulation
+under a chosen no_sync), checks the invariants I1-I4 (docs/dmuon.md, Invariants) on every rank as it goes,
+and records per step what the parity checks compare with the single-process reference: the loss, the global
 grad norm (before the step) and the owners' momentum buffers (after it).
 
 NS normalizes its input, so a grad reduced with the wrong scale (SUM instead of AVG) leaves losses and
@@ -22,6 +23,7 @@ from tests.reference import (
 from tests.tiny_models import TinyMLP, batch, proj_predicate
 
 D, FF, LAYERS, B = 32, 64, 4, 4  # 4 layers = 4 merged owner units: every slot of 4 ranks owns one
+DDP_LAYOUTS = ("ddp", "torch_ddp")
 HP = dict(
     lr=0.02,
     momentum=0.95,
@@ -42,17 +44,21 @@ def muon_kwargs(options: dict | None = None) -> dict:
     return {**HP, **MUON_DEFAULTS, **(options or {})}
 
 
-def reference(world_size: int, steps: int, options: dict | None = None) -> dict:
+def reference(world_size: int, steps: int, options: dict | None = None, micro: int = 1) -> dict:
     """Single process, the ranks' batches concatenated: torch.optim.Muon (fp32 NS) + AdamW. Per step: the
-    loss, the global grad norm before the step and the momentum buffers after it; the final state dict."""
+    loss (the mean over `micro` accumulated micro-batches), the global grad norm before the step and the
+    momentum buffers after it; the final state dict."""
     torch.manual_seed(0)
     model = TinyMLP(D, FF, LAYERS)
     muon, adamw = reference_optimizers(model, proj_predicate, **muon_kwargs(options))
     losses, norms, momentum = [], [], []
     with fp32_torch_muon():
         for step in range(steps):
-            loss = model(torch.cat([batch(step, r, B, D) for r in range(world_size)]))
-            loss.backward()
+            loss = 0.0
+            for m in range(micro):
+                micro_loss = model(torch.cat([batch(step * micro + m, r, B, D) for r in range(world_size)]))
+                (micro_loss / micro if micro > 1 else micro_loss).backward()
+                loss = loss + micro_loss.detach() / micro
             norms.append(grad_norm(model))
             muon.step()
             adamw.step()
@@ -65,7 +71,8 @@ def reference(world_size: int, steps: int, options: dict | None = None) -> dict:
 
 
 def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicate_async: bool = True, options=None):
-    """layout: "fsdp" (1D), "hsdp" ((R, G) mesh), "ddp" (dedicate_params_ddp + replicate)."""
+    """layout: "fsdp" (1D), "hsdp" ((R, G) mesh), "ddp" (dedicate_params_ddp + replicate), "torch_ddp"
+    (dedicate_params_ddp, then torch's DistributedDataParallel: the returned model is the DDP wrapper)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_dmuon import dmuon
@@ -86,6 +93,13 @@ def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicat
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",))
         owners = dmuon.dedicate_params_ddp(model, mesh, proj_predicate)
         dmuon.replicate(model, mesh)
+        fsdp_mesh = None
+    elif layout == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",))
+        owners = dmuon.dedicate_params_ddp(model, mesh, proj_predicate)
+        model = DistributedDataParallel(model, process_group=mesh.get_group())
         fsdp_mesh = None
     else:
         raise ValueError(layout)
@@ -120,11 +134,18 @@ def build_muon(model, options: dict | None = None, **extra):
     return dmuon.Muon(model, param_groups=param_groups or None, **kwargs, **extra)
 
 
+def dmuon_state(model):
+    """The model's DMuonState (through a torch DDP wrapper): the internals the invariant checks read."""
+    from titan_dmuon.dmuon.state import state_of
+
+    return state_of(model, "tests")
+
+
 def owner_momentum(model, opt) -> dict[str, tuple]:
     """This rank's momentum buffers (the owners' own `opt.state`, no collective, no drain of an async
     publish): fqn -> (TP shard dim or None, TP rank, TP size, a copy of the (TP-local) buffer)."""
     out = {}
-    for dp in model._dmuon_state.dparams:
+    for dp in dmuon_state(model).dparams:
         st = opt.state.get(dp.param, {})
         if dp.is_owner and "momentum_buffer" in st:
             size = dp.tp_group.size() if dp.tp_group is not None else 1
@@ -173,23 +194,25 @@ def assert_matches_reference(results: list[dict], ref: dict, rtol: float = 1e-5)
 
 
 def check_i1_i2_i3(model, owners, layout: str) -> None:
-    """After backward: I1 one global owner, I2 `_owned_data` on the owner's column, I3 grads on the owner."""
-    st = model._dmuon_state
+    """After backward: I1 one global owner, I2 `_owned_data` on the owner's column, I3 the reduced grad on the
+    owner only and no `param.grad` left on any rank (under torch DDP: DDP did not reduce them as well)."""
+    st = dmuon_state(model)
     me = (st.shard_rank, st.replicate_rank)
     flags = torch.tensor([int(dp.is_owner) for dp in st.dparams])
     dist.all_reduce(flags)
     assert flags.tolist() == [1] * len(st.dparams), "I1: every param needs exactly one global owner"
     for dp in st.dparams:
         owner = owners[dp.param]
-        coord = owner if isinstance(owner, tuple) else ((0, owner) if layout == "ddp" else (owner, 0))
+        coord = owner if isinstance(owner, tuple) else ((0, owner) if layout in DDP_LAYOUTS else (owner, 0))
         assert dp.is_owner == (me == coord), f"I1 {dp.fqn}"
         assert (dp._owned_data is not None) == dp.in_owner_column, f"I2 {dp.fqn}"
         assert (dp._reduced_grad is not None) == dp.is_owner, f"I3 {dp.fqn}"
+        assert dp.param.grad is None, f"I3 {dp.fqn}: the param kept a grad (reduced by something else too?)"
 
 
 def check_i4(model) -> None:
     """After the publish is consumed: every rank of an owner's column holds identical `_owned_data`."""
-    st = model._dmuon_state
+    st = dmuon_state(model)
     st.drain_publish()
     if st.replicate_group is None:
         return
@@ -212,15 +235,23 @@ def train(
     replicate_async: bool = True,
     check_every_step: bool = True,
     options: dict | None = None,
+    micro: int = 1,
+    no_sync: tuple[str, ...] = ("none",),
 ):
+    """`micro` > 1 accumulates that many micro-batches per step, each loss divided by `micro`; all but the last
+    run inside the no_sync style `no_sync[step % len(no_sync)]` (see `_no_sync`)."""
     from titan_dmuon import dmuon
 
     model, opt, owners = build(layout, mesh_shape, z3=z3, replicate_async=replicate_async, options=options)
-    st = model._dmuon_state
+    st = dmuon_state(model)
     losses, ledgers, ns_calls, norms, momentum = [], [], [], [], []
     for step in range(steps):
-        loss = model(batch(step, rank, B, D))
-        loss.backward()
+        loss = 0.0
+        for m in range(micro):
+            with _no_sync(model, no_sync[step % len(no_sync)] if m < micro - 1 else "none"):
+                micro_loss = model(batch(step * micro + m, rank, B, D))
+                (micro_loss / micro if micro > 1 else micro_loss).backward()
+            loss = loss + micro_loss.detach() / micro
         if check_every_step:
             check_i1_i2_i3(model, owners, layout)
         norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=float("inf")).item())  # the norm; never clips
@@ -236,6 +267,7 @@ def train(
         losses.append(lt.item() / world_size)
     check_i4(model)
     return dict(
+        layout=layout,
         losses=losses,
         norms=norms,
         momentum=momentum,
@@ -249,3 +281,27 @@ def train(
         n_dedicated=len(st.dparams),
         owned=[dp.fqn for dp in dmuon.get_owned_params(model)],
     )
+
+
+def _no_sync(model, style: str):
+    """The grad-accumulation context a user would write: "none"; "dmuon" `dmuon.no_sync(model)` (a DDP wrapper
+    included); "torch" DDP's own `model.no_sync()` alone; "both" the two nested; "inner" `dmuon.no_sync` on
+    the module inside the DDP wrapper (DDP keeps syncing its params)."""
+    import contextlib
+
+    from titan_dmuon import dmuon
+
+    if style == "none":
+        return contextlib.nullcontext()
+    if style == "dmuon":
+        return dmuon.no_sync(model)
+    if style == "torch":
+        return model.no_sync()
+    if style == "both":
+        stack = contextlib.ExitStack()
+        stack.enter_context(model.no_sync())
+        stack.enter_context(dmuon.no_sync(model))
+        return stack
+    if style == "inner":
+        return dmuon.no_sync(model.module)
+    raise ValueError(style)

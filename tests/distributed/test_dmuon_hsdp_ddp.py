@@ -1,6 +1,7 @@
-"""DMuon on HSDP (replicate × shard) and DDP, real gloo ranks: parity with torch.optim.Muon + AdamW (losses,
-weights, global grad norms, momentum buffers) and with the 1D run, sync vs async publish bitwise, invariants
-I1-I4, and the HSDP and DDP bytes (docs/dmuon.md, Bytes per step)."""
+"""DMuon on HSDP (replicate × shard) and DDP (dmuon.replicate or torch's DistributedDataParallel), real gloo
+ranks: parity with torch.optim.Muon + AdamW (losses, weights, global grad norms, momentum buffers) and with the
+1D run, sync vs async publish bitwise, invariants I1-I4, the HSDP and DDP bytes (docs/dmuon.md, Bytes per
+step), and grad accumulation under each no_sync a torch DDP user may write."""
 
 from __future__ import annotations
 
@@ -62,8 +63,12 @@ def test_hsdp_bytes_match_formula_and_parity(mesh_shape, z3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ddp_parity_and_identical_params(world_size):
-    results = run_distributed(train, world_size, "ddp", (world_size,), STEPS)
+@pytest.mark.parametrize("layout", ["ddp", "torch_ddp"])
+def test_ddp_parity_and_identical_params(layout, world_size):
+    """dedicate_params_ddp with dmuon.replicate, or with torch's DistributedDataParallel wrapping the model
+    (which leaves the dedicated params to DMuon); the DDP-wrapped model goes to dmuon.Muon, clip_grad_norm_
+    and the state-dict getters as it is (keys without `module.`)."""
+    results = run_distributed(train, world_size, layout, (world_size,), STEPS)
     assert_matches_reference(results, reference(world_size, STEPS))
     for r in results[1:]:
         assert all(torch.equal(r["sd"][k], results[0]["sd"][k]) for k in r["sd"])
@@ -77,6 +82,19 @@ def test_ddp_parity_and_identical_params(world_size):
             assert led["broadcast"] == led["reduce"] == 0
     for step in range(STEPS):
         assert sum(r["ns_calls"][step] for r in results) == results[0]["n_dedicated"]
+
+
+@pytest.mark.slow
+def test_torch_ddp_grad_accumulation_under_each_no_sync():
+    """Two micro-batches per step under torch DDP; step by step the first runs with no no_sync, inside
+    `dmuon.no_sync(ddp_model)` (which enters DDP's own), inside DDP's `no_sync()` alone (DMuon still reduces
+    every micro-batch), inside both nested, and inside `dmuon.no_sync` of the wrapped module (DDP still
+    syncs). Every way gives the reference's step, so whichever a user writes is right."""
+    styles = ("none", "dmuon", "torch", "both", "inner")
+    results = run_distributed(train, 2, "torch_ddp", (2,), len(styles), micro=2, no_sync=styles)
+    assert_matches_reference(results, reference(2, len(styles), micro=2))
+    for r in results[1:]:
+        assert all(torch.equal(r["sd"][k], results[0]["sd"][k]) for k in r["sd"])
 
 
 def _double_step(rank: int, world_size: int, replicate_async: bool):
