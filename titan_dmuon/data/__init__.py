@@ -4,7 +4,7 @@ global batch order independent of the cluster shape, up-front checks, and the st
 from .checks import Census, check_source, take_census
 from .dataloader import DATASETS, VAL_FRACTION, MicroBatchLoader, build_dataloader, build_source
 from .errors import DataError
-from .packing import GlobalOrder, PackedDataset, Permutation, RowReader
+from .packing import GlobalOrder, PackedDataset, Permutation, RowReader, interleave
 from .shards import FORMAT, MANIFEST, ShardWriter, TokenSource, read_manifest, token_dtype, write_manifest
 from .sources import (
     RAW_DATASETS,
@@ -36,6 +36,7 @@ __all__ = [
     "PackedDataset",
     "Permutation",
     "RowReader",
+    "interleave",
     "FORMAT",
     "MANIFEST",
     "ShardWriter",

@@ -3,7 +3,6 @@ torchdata ``StatefulDataLoader`` (optionally with worker processes) and batched 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import warnings
@@ -15,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .checks import check_source
 from .errors import DataError
-from .packing import PackedDataset
+from .packing import PackedDataset, interleave
 from .shards import TokenSource
 from .sources import RAW_DATASETS, RawSource, build_raw_source
 
@@ -50,31 +49,49 @@ def build_source(
 
 
 class MicroBatchLoader:
-    """``local_batch_size`` consecutive windows of a rank's stream as one micro-batch ``(inputs, labels)``,
-    both ``LongTensor[local_batch_size, seq_len]`` (pinned when ``pin_memory``). Batching happens here, not
-    in the workers, so that the workers can split the rows of one micro-batch between them."""
+    """A rank's micro-batches ``(inputs, labels)``, both ``LongTensor[local_batch_size, seq_len]`` (pinned when
+    ``pin_memory``): each step's rows (one item per worker, put back in row order) cut into consecutive
+    micro-batches. ``state_dict()`` is exact between any two micro-batches, also inside a step."""
 
     def __init__(self, loader: StatefulDataLoader, local_batch_size: int, pin_memory: bool = False):
         self.loader, self.local_batch_size, self.pin_memory = loader, local_batch_size, pin_memory
         self.dataset: PackedDataset = loader.dataset
+        self.workers = max(1, loader.num_workers)
+        self._before: dict[str, Any] | None = None  # the loader's state before the current step
+        self._served = self._per_step = 0  # micro-batches of the current step yielded, and in all
+        self._skip = 0  # micro-batches of the first step to skip after a resume inside a step
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        windows = iter(self.loader)
+        items = iter(self.loader)
+        skip, self._skip = self._skip, 0
         while True:
-            batch = list(itertools.islice(windows, self.local_batch_size))
-            if len(batch) < self.local_batch_size:
+            before = self.loader.state_dict()
+            try:
+                windows = torch.from_numpy(interleave([next(items) for _ in range(self.workers)]))
+            except StopIteration:
                 return
-            stacked = torch.stack(batch)
-            inputs, labels = stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous()
-            if self.pin_memory:
-                inputs, labels = inputs.pin_memory(), labels.pin_memory()
-            yield inputs, labels
+            self._before, self._per_step = before, len(windows) // self.local_batch_size
+            for m in range(skip, self._per_step):
+                self._served = m + 1
+                batch = windows[m * self.local_batch_size : (m + 1) * self.local_batch_size]
+                inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+                if self.pin_memory:
+                    inputs, labels = inputs.pin_memory(), labels.pin_memory()
+                yield inputs, labels
+            skip = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        if 0 < self._served < self._per_step:  # inside a step: replay it, skipping what was served
+            return {"loader": self._before, "served": self._served}
+        return {"loader": self.loader.state_dict(), "served": self._skip}  # (a loaded state not yet iterated)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(state["loader"])
+        self._skip, self._served = state["served"], 0
+
+
+def _as_is(item):
+    return item
 
 
 def build_dataloader(
@@ -154,10 +171,10 @@ def build_dataloader(
         warnings.filterwarnings("ignore", message=".*set_vital.*deprecated")
         loader = StatefulDataLoader(
             ds,
-            batch_size=None,
+            batch_size=None,  # an item is a step's rows (a worker's share of them)
+            collate_fn=_as_is,
             num_workers=num_workers,
-            # about two micro-batches in flight per worker
-            prefetch_factor=max(2, 2 * -(-local_batch_size // num_workers)) if num_workers else None,
+            prefetch_factor=2 if num_workers else None,  # two steps in flight per worker
         )
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     return MicroBatchLoader(loader, local_batch_size, pin)

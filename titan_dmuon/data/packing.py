@@ -10,20 +10,19 @@ batch ``k`` is window ``k`` of every row. That is a function of (seed, dataset, 
 ``r`` of ``N`` takes rows ``r, r + N, r + 2N, ...``, reads only the units of those rows, and the same step
 of any cluster shape holds the same windows (4 ranks x 8, 2 x 16 and 1 x 32 train on identical batches).
 
-A rank's samples come in order: step 0's rows, then step 1's, ... With DataLoader workers, worker ``w`` of
-``W`` produces samples ``w, w + W, ...``; when the rank's row count is a multiple of ``W`` each worker packs
-only its own rows. The state (each row's position, the next sample) is a few integers per row, so a
+The dataset yields one item per step: the windows of the rank's ``R`` rows, ``[R, seq_len + 1]``. With
+DataLoader workers, worker ``w`` of ``W`` packs the rows ``w, w + W, ...`` (so every row is read and
+tokenized by one process only) and yields their windows each step; ``interleave`` puts a step's ``W`` items
+back in row order. The state (the next step, each row's position) is a few integers per row, so a
 ``StatefulDataLoader`` resumes exactly.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .errors import DataError
@@ -135,11 +134,20 @@ class RowReader:
             d, o = d + 1, 0
 
 
-class PackedDataset(IterableDataset):
-    """DP rank ``dp_rank``'s rows of the global batches, as ``LongTensor[seq_len + 1]`` windows in the order
-    the loader batches them (``inputs = w[:-1]``, ``labels = w[1:]``).
+def interleave(items: Sequence[np.ndarray]) -> np.ndarray:
+    """One step's windows in row order from its ``W`` workers' items (worker ``w`` holds rows ``w, w + W, ...``)."""
+    if len(items) == 1:
+        return items[0]
+    rows = sum(len(item) for item in items)
+    return np.stack([items[i % len(items)][i // len(items)] for i in range(rows)])
 
-    ``state_dict`` / ``load_state_dict`` hold every row's position and the next sample. ``restart_on_iter``
+
+class PackedDataset(IterableDataset):
+    """DP rank ``dp_rank``'s rows of the global batches: per step, an int64 array ``[rows, seq_len + 1]`` of
+    windows (``inputs = w[:, :-1]``, ``labels = w[:, 1:]``), or a worker's share of them (see ``interleave``).
+    Arrays, not tensors: from a worker they travel as plain bytes, cheaper than a shared-memory tensor each.
+
+    ``state_dict`` / ``load_state_dict`` hold every row's position and the next step. ``restart_on_iter``
     (validation) starts from the beginning on every ``iter`` unless a state was just loaded, so every
     evaluation sees the same batches; otherwise the stream continues where it stopped.
     """
@@ -171,36 +179,30 @@ class PackedDataset(IterableDataset):
         self._reset()
 
     def _reset(self) -> None:
-        self._sample = 0
+        self._step = 0
         self._readers = [
             RowReader(self.source, self.tokenizer, self.order, j, self.seq_len, (0, 0, 0)) for j in self.rows
         ]
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[np.ndarray]:
         if self.restart_on_iter and not self._resume:
             self._reset()
         self._resume = False
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        rows = len(self.rows)
-        tracked = math.gcd(rows, workers)  # this worker packs the rows i with i % tracked == worker % tracked
-        q = self._sample
+        mine = self._readers[worker::workers]
         while True:
-            i = q % rows
-            if i % tracked == worker % tracked:
-                window = self._readers[i].window()
-                if q % workers == worker:
-                    self._sample = q + 1
-                    yield torch.from_numpy(window)
-            q += 1
+            windows = [reader.window() for reader in mine]
+            self._step += 1
+            yield np.stack(windows) if windows else np.empty((0, self.seq_len + 1), dtype=np.int64)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sample": self._sample, "rows": [r.state for r in self._readers]}
+        return {"step": self._step, "rows": [r.state for r in self._readers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["rows"]) != len(self.rows):
             raise ValueError(f"the state has {len(state['rows'])} rows, this rank has {len(self.rows)}")
-        self._sample = int(state["sample"])
+        self._step = int(state["step"])
         self._readers = [
             RowReader(self.source, self.tokenizer, self.order, j, self.seq_len, s)
             for j, s in zip(self.rows, state["rows"], strict=True)
