@@ -170,3 +170,14 @@ def test_tokens_loader_resume_is_exact(shards, num_workers: int) -> None:
     rest = [next(it) for _ in range(12)]
     for (x, y), (u, v) in zip(first + rest, uninterrupted, strict=True):
         assert torch.equal(x, u) and torch.equal(y, v)
+
+
+def test_prepare_reads_a_hugging_face_dataset(corpus, tmp_path) -> None:
+    """--dataset hf: a `save_to_disk` folder (the `datasets` library is optional: skipped without it)."""
+    datasets = pytest.importorskip("datasets")
+    _, docs = corpus
+    datasets.Dataset.from_dict({"content": docs}).save_to_disk(str(tmp_path / "saved"))
+    manifest = _prepare(tmp_path / "saved", tmp_path / "out", dataset="hf", dataset_field="content", workers=2)
+    assert manifest["documents"] == len(docs)
+    src = TokenSource(str(tmp_path / "out"), ("train", "val"))
+    assert sorted(ByteTokenizer().decode(src.documents(u)[0]) for u in range(len(src))) == sorted(docs)
