@@ -25,7 +25,7 @@ from titan_dmuon.data import (
     build_dataloader,
     build_source,
     build_tokenizer,
-    check_source,
+    checked_source,
     in_val_split,
     stdlib_source,
 )
@@ -311,4 +311,4 @@ def test_checks_paths_globs_and_splits(tmp_path) -> None:
     with pytest.raises(DataError, match="the val split is empty"):
         _loader(tmp_path / "x.jsonl", split="val")
     src = build_source("jsonl", str(tmp_path), split="train")
-    check_source(src, ByteTokenizer(), "train")
+    assert checked_source(lambda: src, ByteTokenizer(), "train") is src

@@ -1,7 +1,7 @@
 """Data: tokenizers, raw sources (offline stdlib default, text/JSONL/parquet), pre-tokenized token shards, a
 global batch order independent of the cluster shape, up-front checks, and the stateful loader."""
 
-from .checks import Census, check_source, take_census
+from .checks import Census, checked_source, take_census
 from .dataloader import DATASETS, VAL_FRACTION, MicroBatchLoader, build_dataloader, build_source
 from .errors import DataError
 from .packing import GlobalOrder, PackedDataset, Permutation, RowReader, interleave
@@ -24,7 +24,7 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "Census",
-    "check_source",
+    "checked_source",
     "take_census",
     "DATASETS",
     "VAL_FRACTION",

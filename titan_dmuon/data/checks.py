@@ -9,6 +9,7 @@ first bad unit's file and line) or none. Parquet is checked from its metadata (c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -58,36 +59,46 @@ def take_census(source: RawSource, val_fraction: float, rank: int = 0, world: in
     return census
 
 
-_CENSUS: dict[tuple, Census] = {}
+_CENSUS: dict[tuple, Census] = {}  # per source state: the train and validation loaders of a dataset read it once
 
 
-def _job_census(source: RawSource, val_fraction: float) -> Census:
-    """The census of the whole job: shared across the ranks of a process group, remembered per source state
-    (the train and validation loaders of one dataset read it once)."""
-    key = (source.identity(), val_fraction)
-    if key not in _CENSUS:
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        census = take_census(source, val_fraction, rank, world)
-        if distributed:
-            everyone: list[Census | None] = [None] * world
-            dist.all_gather_object(everyone, census)
+def checked_source(build: Callable[[], RawSource | TokenSource], tokenizer, split: str) -> RawSource | TokenSource:
+    """``build()`` the source of ``split`` and check it, on every rank of the process group together (when one
+    with several ranks is up): each rank builds, checks token shards against ``tokenizer`` or reads its share
+    of a raw source's units, and one ``all_gather_object`` gives every rank what all found, so every rank
+    raises the same ``DataError`` (the lowest rank's, or the first bad unit's file and line) or none, even
+    when only one rank could not read a file. Returns the source."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    source, census, key, error = None, None, None, ""
+    try:
+        source = build()
+        if isinstance(source, TokenSource):
+            source.check_tokenizer(tokenizer)
+        elif len(source) == 0:
+            raise DataError(f"{source.description}: empty (0 bytes); nothing to train on")
+        else:
+            key = (source.identity(), source.val_fraction)
+            census = _CENSUS.get(key) or take_census(source, source.val_fraction, rank, world)
+    except DataError as e:
+        error = str(e)
+    if distributed:
+        reports: list[tuple[str, Census | None] | None] = [None] * world
+        dist.all_gather_object(reports, (error, census))
+        error = next((e for e, _ in reports if e), "")
+        if not error and key is not None and key not in _CENSUS:  # raw: add up the ranks' shares
             census = Census(0, 0)
-            for c in everyone:
+            for _, c in reports:
                 census = census.merge(c)
+    if error:
+        raise DataError(error)
+    if key is not None:
         _CENSUS[key] = census
-    return _CENSUS[key]
+        _check_counts(source, census, split)
+    return source
 
 
-def check_source(source: RawSource | TokenSource, tokenizer, split: str) -> None:
-    """Raise ``DataError`` (naming the file, and line where there is one) if ``split`` of ``source`` cannot
-    be trained on with ``tokenizer``. A collective when a process group with several ranks is up."""
-    if isinstance(source, TokenSource):
-        source.check_tokenizer(tokenizer)
-        return
-    if len(source) == 0:
-        raise DataError(f"{source.description}: empty (0 bytes); nothing to train on")
-    census = _job_census(source, source.val_fraction)
+def _check_counts(source: RawSource, census: Census, split: str) -> None:
     if census.error:
         raise DataError(census.error)
     if census.documents == 0:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .checks import check_source
+from .checks import checked_source
 from .errors import DataError
 from .packing import PackedDataset, interleave
 from .shards import TokenSource
@@ -132,16 +132,19 @@ def build_dataloader(
         )
     if num_workers < 0:
         raise DataError(f"num_workers must be >= 0, got {num_workers}")
-    source = build_source(
-        dataset,
-        dataset_path,
-        dataset_field,
-        split=split,
-        val_fraction=val_fraction,
-        text_documents=text_documents,
-        min_units=4 * global_batch_size,
+    source = checked_source(
+        lambda: build_source(
+            dataset,
+            dataset_path,
+            dataset_field,
+            split=split,
+            val_fraction=val_fraction,
+            text_documents=text_documents,
+            min_units=4 * global_batch_size,
+        ),
+        tokenizer,
+        split,
     )
-    check_source(source, tokenizer, split)
     ds = PackedDataset(
         source,
         tokenizer,
