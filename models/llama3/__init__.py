@@ -10,6 +10,7 @@ from torch import nn
 
 from titan_dmuon.components.model import ModelSpec, register_model_spec
 
+from .memory import activation_bytes
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
 from .parallelize import apply_tp
 
@@ -85,9 +86,10 @@ def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> M
 def build_model(
     flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
 ) -> Transformer:
-    """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (parallelize, then
-    ``to_empty`` and ``init_weights``); on a real device it takes that same path (meta, ``to_empty``,
-    ``init_weights``), so for one seed it gives the same weights as a meta-built, unsharded model.
+    """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (the trainer parallelizes it,
+    then each rank materializes and initializes its share); on a real device it is materialized with
+    ``to_empty`` and ``init_weights`` (the seed of ``torch.manual_seed``), the weights a run with that seed
+    starts from on any cluster shape.
 
     ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``)
     replace ModelArgs fields.
@@ -117,7 +119,10 @@ SPEC = register_model_spec(
         nparams_and_flops=get_nparams_and_flops,
         blocks=blocks,
         muon_params=MUON_PARAMS,
+        param_inits=lambda model: model.param_inits(),
+        init_buffers=lambda model, device: model.init_buffers(device),
         apply_tp=apply_tp,
+        activation_bytes=activation_bytes,
     )
 )
 
@@ -129,6 +134,7 @@ __all__ = [
     "llama3_configs",
     "get_model_args",
     "build_model",
+    "activation_bytes",
     "apply_tp",
     "get_nparams_and_flops",
     "LLAMA3_VOCAB_SIZE",

@@ -1,8 +1,9 @@
 """Llama-3 decoder-only transformer, without any parallelism code.
 
 Parallelism (TP, FSDP2, DMuon) is applied from outside by FQN: see ``parallelize.py``. The model is built on
-the meta device, parallelized, materialized with ``to_empty`` and initialized with ``init_weights`` (torchtitan
-style), so nothing here may depend on parameter values at construction time.
+the meta device and parallelized there; each rank then materializes and initializes only its share, from the
+per-FQN distributions ``param_inits`` declares (titan_dmuon/init.py), so nothing here may depend on parameter
+values at construction time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from titan_dmuon.init import ParamInit, constant, init_params, normal, trunc_normal
 
 
 @dataclass
@@ -90,9 +93,6 @@ class RMSNorm(nn.Module):
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.type_as(x) * self.weight
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class Attention(nn.Module):
     """Grouped-query attention. Head counts come from the projections' (possibly TP-sharded) output
@@ -119,11 +119,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
-    def init_weights(self, init_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
@@ -136,11 +131,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for lin in (self.w2, self.w3):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=init_std)
 
 
 class TransformerBlock(nn.Module):
@@ -160,11 +150,19 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+    def param_inits(self) -> dict[str, ParamInit]:
+        """This block's params (FQNs relative to the block): norms 1, the input projections (wq wk wv w1)
+        trunc_normal(0.02), the others (wo w2 w3) trunc_normal with the depth-scaled std (torchtitan's init)."""
+        scaled = trunc_normal(self.weight_init_std)
+        return {
+            "attention_norm.weight": constant(1.0),
+            "ffn_norm.weight": constant(1.0),
+            **{f"attention.{w}.weight": trunc_normal(0.02) for w in ("wq", "wk", "wv")},
+            "attention.wo.weight": scaled,
+            "feed_forward.w1.weight": trunc_normal(0.02),
+            "feed_forward.w2.weight": scaled,
+            "feed_forward.w3.weight": scaled,
+        }
 
 
 class Transformer(nn.Module):
@@ -190,21 +188,27 @@ class Transformer(nn.Module):
             h = layer(h, self.rope_cache)
         return self.output(self.norm(h))
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialize every parameter and the RoPE buffer in place; call after ``to_empty``.
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Every parameter's initial distribution by FQN (a function of the shapes only: no values read)."""
+        std = self.args.dim**-0.5
+        inits = {"tok_embeddings.weight": normal(1.0), "norm.weight": constant(1.0)}
+        for i, layer in self.layers.items():
+            inits.update({f"layers.{i}.{k}": v for k, v in layer.param_inits().items()})
+        inits["output.weight"] = trunc_normal(std, a=-3.0 * std, b=3.0 * std)
+        return inits
 
-        Deterministic given the RNG state (``torch.manual_seed``) and the module order.
-        """
-        device = torch.device(buffer_device) if buffer_device is not None else self.rope_cache.device
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the buffers (the RoPE table) on `device`; they hold no parameters, so every rank computes all."""
         with torch.device(device):
             self.rope_cache = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-        nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
-        self.norm.reset_parameters()
-        std, cutoff = self.args.dim**-0.5, 3.0
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize an unsharded, materialized model in place (after ``to_empty``): the buffers, and every
+        parameter from ``param_inits`` with the seed of ``torch.manual_seed`` (``torch.initial_seed()``), so
+        ``manual_seed(s); init_weights()`` gives the weights a sharded run with seed ``s`` starts from."""
+        self.init_buffers(buffer_device if buffer_device is not None else self.rope_cache.device)
+        init_params(self, self.param_inits(), torch.initial_seed())
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Global parameter count (DTensor ``numel`` is global, so this holds after TP/FSDP too)."""

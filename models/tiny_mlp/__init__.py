@@ -55,6 +55,8 @@ SPEC = register_model_spec(
         nparams_and_flops=get_nparams_and_flops,
         blocks=blocks,
         muon_params=MUON_PARAMS,
+        param_inits=lambda model: model.param_inits(),
+        init_buffers=lambda model, device: None,  # no buffers
     )
 )
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from titan_dmuon.init import ParamInit, constant, init_params, normal, uniform
+
 
 class Block(nn.Module):
     def __init__(self, d: int, ff: int):
@@ -74,13 +76,24 @@ class TinyMLPLM(nn.Module):
             h = layer(h)
         return self.output(self.norm(h))
 
+    def param_inits(self) -> dict[str, ParamInit]:
+        """Every parameter's initial distribution by FQN: the embedding N(0, 1), each Linear weight
+        U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's default), LayerNorms 1 and 0."""
+        inits: dict[str, ParamInit] = {"tok_embeddings.weight": normal(1.0)}
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(module, nn.Linear):
+                bound = module.in_features**-0.5
+                inits[f"{prefix}weight"] = uniform(-bound, bound)
+            elif isinstance(module, nn.LayerNorm):
+                inits.update({f"{prefix}weight": constant(1.0), f"{prefix}bias": constant(0.0)})
+        return inits
+
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialize every parameter in place from the RNG state, in module order (no buffers to place)."""
-        nn.init.normal_(self.tok_embeddings.weight)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.LayerNorm)):
-                module.reset_parameters()
+        """(Re)initialize an unsharded, materialized model in place from `param_inits`, with the seed of
+        `torch.manual_seed` (`torch.initial_seed()`); there are no buffers."""
+        init_params(self, self.param_inits(), torch.initial_seed())
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -2,8 +2,9 @@
 
 A family (a package under models/) registers its ModelSpec when imported; `get_model_spec(name)` imports
 `models.<name>` on first use. Everything the framework needs to know about a family goes through the spec:
-how to build a flavor, where its transformer blocks are (activation checkpointing, compile, FSDP2 and
-DMuon's hook boundaries all use them), which matrices are Muon targets by default, its TP plan and its loss.
+how to build a flavor, how each parameter is initialized, where its transformer blocks are (activation
+checkpointing, compile, FSDP2 and DMuon's hook boundaries all use them), which matrices are Muon targets by
+default, its TP plan, its loss and an activation-memory estimate for the dry-run planner.
 models/README.md shows how to add a family.
 """
 
@@ -20,6 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.init import ParamInit
+
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of `logits [B, T, V]` against `labels [B, T]`, in fp32."""
@@ -31,8 +35,9 @@ class ModelSpec:
     """What the framework needs to know about a model family.
 
     The model `build` returns must take `tokens [B, T]` (int64) and return what `loss_fn` takes with the
-    labels, and have `init_weights(buffer_device=...)`, which (re)initializes every parameter and buffer in
-    place from the RNG state: the trainer builds on meta, materializes with `to_empty`, seeds, then calls it.
+    labels. The trainer builds it on meta, parallelizes it there, and then each rank allocates only its share
+    and fills it from `param_inits` (titan_dmuon/init.py: values are a function of (seed, FQN), whatever the
+    cluster shape) and `init_buffers`.
     """
 
     name: str
@@ -48,11 +53,19 @@ class ModelSpec:
     compile, FSDP2 sharding and DMuon's broadcast/reduce hooks."""
     muon_params: str
     """Regex over parameter FQNs: the 2D params Muon takes when `optimizer.muon_params` is empty."""
+    param_inits: Callable[[nn.Module], Mapping[str, ParamInit]]
+    """`model` -> every parameter's initial distribution by FQN; read from the (meta) model's shapes, never its
+    values."""
+    init_buffers: Callable[[nn.Module, torch.device], None]
+    """`(model, device)` -> computes the model's buffers (e.g. RoPE tables) on `device`, after materialization."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
     """`(model output, labels)` -> the scalar training loss (a mean, so DP ranks average to the global mean)."""
     apply_tp: Callable[[nn.Module, DeviceMesh], Any] | None = None
     """The tensor-parallel plan, `(model, tp_mesh)`, applied in place; None = the family has none. It raises
     ValueError when the degree does not fit the flavor."""
+    activation_bytes: Callable[..., float] | None = None
+    """`(model, *, batch, seq_len, dtype_bytes, tp, ac_mode)` -> an estimate of one rank's activation memory in
+    bytes for a micro-batch (the dry-run planner prints it); None = the planner says it has no estimate."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -100,8 +113,18 @@ def check_flavor(spec: ModelSpec, flavor: str) -> None:
         raise ValueError(f"{spec.name} has no flavor {flavor!r}; its flavors: {', '.join(spec.flavors)}")
 
 
+def build_meta_model(spec: ModelSpec, cfg: JobConfig, vocab_size: int | None) -> nn.Module:
+    """The configured flavor on the meta device (the trainer's and the dry-run planner's one builder);
+    `vocab_size=None` keeps the flavor's own. A flavor that rejects its arguments is a ConfigError."""
+    try:
+        return spec.build(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: {e}") from None
+
+
 __all__ = [
     "ModelSpec",
+    "build_meta_model",
     "available_models",
     "check_flavor",
     "cross_entropy_loss",
