@@ -19,6 +19,7 @@ from .api import (
     dedicate_params,
     dedicate_params_ddp,
     dedicate_params_ddp_tp,
+    get_dedicated_params,
     get_owned_params,
     replicate,
     replicate_tp,
@@ -32,6 +33,7 @@ from .checkpoint import (
 from .clip import clip_grad_norm_
 from .ddp import replicate_no_sync
 from .fsdp2_patch import install_patch
+from .materialize import init_dedicated_params
 from .muon import Muon
 from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
 from .param import DedicatedParam
@@ -98,10 +100,12 @@ __all__ = [
     "dedicate_params",
     "dedicate_params_ddp",
     "dedicate_params_ddp_tp",
+    "get_dedicated_params",
     "get_model_state_dict",
     "get_ns_backend",
     "get_optimizer_state_dict",
     "get_owned_params",
+    "init_dedicated_params",
     "install_patch",
     "no_sync",
     "partition",

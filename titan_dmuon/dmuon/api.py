@@ -62,13 +62,18 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
                 f"dedicate_params: the predicate selected '{name}' with shape {tuple(p.shape)}, but DMuon "
                 "dedicates 2D matrices only: add `p.ndim == 2` to the predicate"
             )
-        if p.device.type == "meta":
-            raise ValueError(f"dedicate_params: '{name}' is on the meta device: materialize the model first")
         if not p.requires_grad:
             continue
         selected.append((name, p))
     if not selected:
         raise ValueError("dedicate_params: the predicate selected no 2D parameter that requires grad")
+    on_meta = sorted({p.device.type == "meta" for _, p in selected})
+    if on_meta == [False, True]:
+        meta = next(name for name, p in selected if p.device.type == "meta")
+        raise ValueError(
+            f"dedicate_params: '{meta}' is on the meta device but other selected params are not: dedicate a "
+            "model that is all on meta (then dmuon.init_dedicated_params) or all materialized"
+        )
     return selected
 
 
@@ -88,6 +93,10 @@ def dedicate_params(
     `mesh` is the 1D shard mesh; `replicate_mesh` turns on HSDP (owners are `(shard, replicate)`
     coordinates over all G·R slots). `reshard_after_forward=True` is DMuon-Z3, False DMuon-Z2.
     Returns each dedicated param's owner: `int` (1D) or `(shard, replicate)` (HSDP).
+
+    On a model on the meta device it records the ownership and allocates nothing: then call
+    `dmuon.init_dedicated_params(model, init_fn, device)` (after `fully_shard`) to allocate and fill each rank's
+    share. On a materialized model each owner column copies its fp32 master from the live values.
     """
     if find_state(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model: call it once, for all params")
@@ -155,7 +164,9 @@ def _dedicate(
         )
         if lay is not None:
             dp.shard_dim, dp.tp_group, dp.tp_rank, dp.tp_owner = lay.shard_dim, lay.group, lay.rank, tp_owner[name]
-        if mode == "ddp" and local.dtype == torch.float32:
+        if local.device.type == "meta":
+            pass  # ownership only: init_dedicated_params allocates and fills the masters
+        elif mode == "ddp" and local.dtype == torch.float32:
             dp._owned_data = local.data  # DDP keeps the live param: it is the fp32 master itself
         elif dp.in_owner_column:
             dp._owned_data = local.detach().to(torch.float32, copy=True)
@@ -175,9 +186,11 @@ def _dedicate(
         group.register_hooks()
         state.groups.append(group)
     attach_state(model, state)
-    # The global owner's value is authoritative: make its column peers agree before the first forward.
+    # The global owner's value is authoritative: make its column peers agree before the first forward (a meta
+    # model has no values yet; init_dedicated_params fills every column rank alike).
     for g in state.groups:
-        _replicate.publish(g).wait()
+        if not g.on_meta:
+            _replicate.publish(g).wait()
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}
@@ -345,6 +358,13 @@ def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     params = [p for p in model.parameters() if p.requires_grad and p not in dedicated]
     _ddp.replicate_params(model, params, mesh.get_group())
     return model
+
+
+def get_dedicated_params(model: nn.Module) -> list[DedicatedParam]:
+    """Every dedicated param in group (forward) order, with its owner coordinates (`owner_shard`,
+    `owner_replicate`, `tp_owner`), shapes and group: the plan every rank computes alike (no communication)."""
+    state = state_of(model, "get_dedicated_params")
+    return [dp for g in state.groups for dp in g.params]
 
 
 def get_owned_params(model: nn.Module, rank: int | None = None) -> list[DedicatedParam]:

@@ -23,6 +23,10 @@ from .param import DedicatedParam
 if TYPE_CHECKING:
     from .state import DMuonState
 
+InitFn = Callable[[str, torch.Tensor, tuple[slice, ...]], None]
+"""`init_fn(fqn, out, region)`: fill the fp32 tensor `out` with the values at `region` (one slice per dim) of
+the full logical matrix `fqn` (see `dmuon.init_dedicated_params`)."""
+
 
 def _in_backward() -> bool:
     """True while the autograd engine runs (e.g. an activation-checkpoint recompute)."""
@@ -73,7 +77,8 @@ class DedicatedParamGroup:
         if not self.live:
             for dp in self.params:
                 dp.local.data = self.buffer[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
-            _free_storage(self.buffer)
+            if device.type != "meta":
+                _free_storage(self.buffer)
         self.unsharded = self.live
         self._unshard_work: Work | None = None
         self._publish: Work | None = None  # post-step publish (HSDP/DDP), consumed by the next unshard
@@ -192,10 +197,50 @@ class DedicatedParamGroup:
         self._grads_ready = 0
         self._reduced = False
 
+    # ---- materialization (params dedicated on the meta device) -------------------------------------------
+    @property
+    def on_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    def materialize(self, device: torch.device, init_fn: InitFn) -> None:
+        """Meta -> `device`: allocate only what this rank holds and have `init_fn` fill its fp32 masters.
+
+        The packed buffer gets its (freed) storage and the params view it again; under DDP each rank allocates
+        the live params. Every rank of an owner's column fills the same master from the same function, so the
+        column agrees without a publish. Scratch beyond that is whatever `init_fn` uses.
+        """
+        self.device = device
+        if not self.live:
+            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=device)
+        for dp in self.params:
+            if self.live:
+                local = torch.empty(dp._orig_size, dtype=dp.local.dtype, device=device)
+            else:
+                local = self.buffer[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
+            dp.bind_local(local)
+            if not dp.in_owner_column:
+                continue
+            live_master = self.live and local.dtype == torch.float32  # DDP: the fp32 live param is the master
+            master = local if live_master else torch.empty(dp._orig_size, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                init_fn(dp.fqn, master, dp.region())
+                if self.live and not live_master:
+                    local.copy_(master)
+            dp._owned_data = master
+        if not self.live:
+            _free_storage(self.buffer)
+        self._register_param_hooks()
+
     # ---- hooks ----------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
+        """The boundary module's forward hooks now; the params' grad hooks once they exist on a device (a meta
+        param is replaced in place by `materialize`, which drops hooks registered on it)."""
         self._handles.append(self.module.register_forward_pre_hook(self._pre_forward, prepend=False))
         self._handles.append(self.module.register_forward_hook(self._post_forward, prepend=False))
+        if not self.on_meta:
+            self._register_param_hooks()
+
+    def _register_param_hooks(self) -> None:
         for dp in self.params:
             self._handles.append(dp.param.register_post_accumulate_grad_hook(self._on_grad_ready))
 

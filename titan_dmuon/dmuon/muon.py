@@ -68,6 +68,11 @@ class Muon(torch.optim.Optimizer):
     ):
         state = state_of(model, "dmuon.Muon")
         model = unwrap(model)
+        if any(g.on_meta for g in state.groups):
+            raise RuntimeError(
+                "dmuon.Muon: the dedicated params are still on the meta device: call "
+                "dmuon.init_dedicated_params(model, init_fn, device) first"
+            )
         _check_registered(model, state)
         adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
         resolve_coefficients(ns_coefficients, ns_steps)

@@ -75,6 +75,37 @@ class DedicatedParam:
             return (self.owner_shard, self.owner_replicate)
         return self.owner_shard
 
+    def region(self) -> tuple[slice, ...]:
+        """Which part of the full logical matrix (`full_shape`) this rank's local tensor holds: all of it, or
+        its TP shard (DMuon's TP shards are even chunks along `shard_dim`)."""
+        out = [slice(0, int(n)) for n in self.full_shape]
+        if self.shard_dim is not None:
+            size = int(self._orig_size[self.shard_dim])
+            out[self.shard_dim] = slice(self.tp_rank * size, (self.tp_rank + 1) * size)
+        return tuple(out)
+
+    def bind_local(self, local: torch.Tensor) -> None:
+        """Make the registered param hold `local` (a DTensor: as its local TP shard) through `.data`, so it keeps
+        its own version counter (`local` is a view of the packed buffer, which is written in place), and keep
+        the same Parameter object, which FSDP2's ignored set, DMuon's maps and the optimizer hold.
+
+        A meta tensor cannot move to a device through `.data`: the param is first swapped in place with a
+        placeholder on the device (zero strides: one element of storage); `swap_tensors` moves Python attributes
+        along with the contents, so the ones the placeholder lacks (DMuon's tags) are put back."""
+        p = self.param
+        if p.device.type == "meta":
+            stub = torch.empty_strided(local.shape, (0,) * local.dim(), dtype=local.dtype, device=local.device)
+            if isinstance(p, DTensor):
+                stub = DTensor.from_local(
+                    stub, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+            attrs = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(stub, requires_grad=p.requires_grad))
+            for key, value in attrs.items():
+                if key not in p.__dict__:
+                    setattr(p, key, value)
+        local_of(p).data = local
+
     @property
     def in_owner_column(self) -> bool:
         """True on every rank whose shard coordinate is the owner's (the ranks that keep `_owned_data`)."""
