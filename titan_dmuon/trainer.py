@@ -1,7 +1,7 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
     trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
-    try:                     # data, model, parallelize, optimizer, lr, metrics (the profiler starts with train())
+    try:                     # data, meta model, parallelize, materialize, optimizer, lr, metrics (profiler: train())
         trainer.train()
     finally:
         trainer.close()      # optimizer component, metrics, process group
@@ -25,13 +25,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from titan_dmuon.components.model import check_flavor, get_model_spec
+from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
 from titan_dmuon.data import DataError, build_dataloader, build_tokenizer
 from titan_dmuon.lr_scheduler import build_lr_scheduler
 from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
-from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.parallel import ParallelDims, materialize, parallelize
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_world_size = self.dims.dp_coordinates(self.mesh)
         logger.info("%s; %s", cfg.job.description, self.dims.describe())
-        # 4. Seed (the same on every rank: model init must agree) and determinism.
+        # 4. Seed (the same on every rank: the initial weights are drawn from it) and determinism.
         self.seed = self._set_determinism()
         logger.info("Seed %d%s", self.seed, " (training.seed unset: drawn at random)" if t.seed is None else "")
         # 5. Tokenizer.
@@ -107,19 +107,9 @@ class Trainer:
         except DataError as e:
             raise ConfigError(f"training data: {e}") from None
         self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
-        # 6. Model: built on meta, materialized, initialized from the seed on every rank (identically), and only
-        #    THEN parallelized: DMuon's dedicate_params copies each owner's fp32 master out of the live values
-        #    (and publishes the owner's value to its replicas), so the params must hold their initial values
-        #    before it runs; TP's distribute_tensor likewise shards materialized tensors.
-        try:
-            model = self.spec.build(cfg.model.flavor, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
-        except ValueError as e:
-            raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: {e}") from None
+        # 6. Model, on the meta device: nothing is allocated yet.
+        model = build_meta_model(self.spec, cfg, self.tokenizer.vocab_size)
         self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.seed)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
         logger.info(
             "Model %s/%s: %s params, %.3g training FLOPs/token",
             cfg.model.name,
@@ -127,8 +117,12 @@ class Trainer:
             f"{self.num_params:,}",
             self.flops_per_token,
         )
-        # 7. Parallelize: TP -> AC -> compile -> the optimizer's prepare (DMuon dedicates) -> FSDP2.
+        # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer's prepare (DMuon records ownership) -> FSDP2.
         self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optim)
+        # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, its owner column's DMuon
+        #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
+        #     starts from the same weights on any cluster shape (titan_dmuon/init.py).
+        materialize(self.model, self.spec, self.optim, self.device, self.seed)
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optim.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)

@@ -1,4 +1,5 @@
-"""parallelize(model): TP -> activation checkpointing -> per-block torch.compile -> optimizer prepare -> FSDP2.
+"""parallelize(model): TP -> activation checkpointing -> per-block torch.compile -> optimizer prepare -> FSDP2,
+all on the meta device (nothing is allocated until `materialize`).
 
 The model family's ModelSpec says where the blocks are and what the TP plan is; the optimizer component
 says which params FSDP2 must leave alone. The order matters:
@@ -136,8 +137,9 @@ def parallelize(
 ) -> nn.Module:
     """TP (tp > 1) -> AC -> compile -> optimizer.prepare -> FSDP2, in place; returns the model.
 
-    The model must be materialized and initialized (identically on every rank) already: DMuon copies each
-    owner's fp32 master out of the live values when it dedicates them.
+    Runs on the meta model (the trainer then calls `materialize`, which allocates and initializes each rank's
+    share; the dry-run planner stops here). It also works on a materialized model: DMuon then copies each
+    owner's fp32 master out of the live values.
     """
     param_dtype = DTYPES[cfg.training.mixed_precision_param]
     reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]

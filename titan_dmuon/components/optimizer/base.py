@@ -4,8 +4,9 @@ registry that maps `optimizer.name` to a component class.
 The trainer never asks which optimizer it has. It calls, in this order:
 
     component = build_optimizer_component(cfg, spec)     # the class registered as cfg.optimizer.name
-    ignored = component.prepare(model, dims, mesh)       # inside parallelize: after TP, before FSDP2
+    ignored = component.prepare(model, dims, mesh)       # inside parallelize (on meta): after TP, before FSDP2
     fully_shard(..., ignored_params=ignored)             # FSDP2 leaves the component's params alone
+    component.init_own_params(init_fn, device)           # materialize: the component allocates what it kept
     optimizer = component.build()                        # the torch.optim.Optimizer (lr scheduler, step)
     with component.no_sync(): ...                        # every micro-batch but the last one
     norm = component.clip_grad_norm_(max_norm)           # one global norm, the same on every rank
@@ -66,12 +67,20 @@ class OptimizerComponent:
         self.model: nn.Module | None = None
         self.dims: ParallelDims | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.own_params: set[nn.Parameter] = set()
+        """The params this component allocates and initializes itself (set by `prepare`): FSDP2 ignores them
+        and the materialization step leaves them to `init_own_params`."""
 
     # ------------------------------------------------------------------------------------------ setup
     def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
-        """Runs inside parallelize, after TP and before FSDP2. Returns the params FSDP2 must not manage."""
+        """Runs inside parallelize, on the meta model, after TP and before FSDP2. Returns the params FSDP2 must
+        not manage (`own_params`)."""
         self.model, self.dims = model, dims
-        return set()
+        return self.own_params
+
+    def init_own_params(self, init_fn: Callable[[str, torch.Tensor, tuple[slice, ...]], None], device) -> None:
+        """Materialization (after FSDP2, before `build`): allocate this rank's share of `own_params` on `device`
+        and fill it with `init_fn(fqn, out, region)` (the values at `region` of the full tensor `fqn`)."""
 
     def build(self) -> torch.optim.Optimizer:
         """The optimizer over the parallelized model (after FSDP2); also kept as `self.optimizer`. Its param

@@ -1,7 +1,8 @@
 """`dmuon`: Muon by dedicated ownership (titan_dmuon.dmuon) on the Muon matrices, AdamW on the rest.
 
-prepare() dedicates the Muon matrices (each to one owner rank) before FSDP2 shards the rest, and returns
-them so that fully_shard ignores them; every later call goes through dmuon's public API.
+prepare() dedicates the Muon matrices (each to one owner rank, on the meta model: ownership only) before FSDP2
+shards the rest, and returns them so that fully_shard ignores them; init_own_params() has each owner column
+allocate and fill its fp32 masters; every later call goes through dmuon's public API.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ class DMuon(OptimizerComponent):
             hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
             param_dtype=param_dtype,
         )
-        return set(owners)
+        self.own_params = set(owners)
+        return self.own_params
+
+    def init_own_params(self, init_fn, device) -> None:
+        dmuon.init_dedicated_params(self.model, init_fn, device)  # each owner column's fp32 masters only
 
     def build(self) -> torch.optim.Optimizer:
         m, a, d = self.cfg.optimizer.muon, self.cfg.optimizer.adamw, self.cfg.optimizer.dmuon
