@@ -173,8 +173,9 @@ def test_tokens_loader_resume_is_exact(shards, num_workers: int) -> None:
 
 
 def test_prepare_reads_a_hugging_face_dataset(corpus, tmp_path) -> None:
-    """--dataset hf: a `save_to_disk` folder (the `datasets` library is optional: skipped without it)."""
-    datasets = pytest.importorskip("datasets")
+    """--dataset hf: a `save_to_disk` folder (`datasets` is optional at run time, a dev dependency for this test)."""
+    import datasets
+
     _, docs = corpus
     datasets.Dataset.from_dict({"content": docs}).save_to_disk(str(tmp_path / "saved"))
     manifest = _prepare(tmp_path / "saved", tmp_path / "out", dataset="hf", dataset_field="content", workers=2)
