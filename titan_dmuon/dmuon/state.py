@@ -128,6 +128,15 @@ class DMuonState:
     def _start_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
         work.wait()
         self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf)))
+        # Keep one stage 2 in flight and finish the older ones now: each holds a whole packed grad buffer, so
+        # waiting for the end of backward would keep every group's (P_M elements) alive on every rank.
+        while len(self._stage2) > 1:
+            self._finish_stage2(*self._stage2.pop(0))
+
+    @staticmethod
+    def _finish_stage2(group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
+        work.wait()
+        group.finish_reduce(gbuf)
 
     def queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -141,10 +150,8 @@ class DMuonState:
             g.reduce_if_partial()
         while self._pending:
             self._start_stage2(*self._pending.pop(0))
-        for group, gbuf, work in self._stage2:
-            work.wait()
-            group.finish_reduce(gbuf)
-        self._stage2.clear()
+        while self._stage2:
+            self._finish_stage2(*self._stage2.pop(0))
         for g in self.groups:
             g.reset_backward()
             if self.mode == "fsdp":
