@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_dmuon import dmuon
 
-from .base import NS_DTYPES, OptimizerComponent, register_optimizer
+from .base import OptimizerComponent, muon_options, register_optimizer
 
 if TYPE_CHECKING:
     from titan_dmuon.parallel import ParallelDims
@@ -58,22 +58,10 @@ class DMuon(OptimizerComponent):
         dmuon.init_dedicated_params(self.model, init_fn, device)  # each owner column's fp32 masters only
 
     def build(self) -> torch.optim.Optimizer:
-        m, a, d = self.cfg.optimizer.muon, self.cfg.optimizer.adamw, self.cfg.optimizer.dmuon
+        d = self.cfg.optimizer.dmuon
         self.optimizer = dmuon.Muon(
             self.model,
-            lr=m.lr,
-            momentum=m.momentum,
-            nesterov=m.nesterov,
-            weight_decay=m.weight_decay,
-            ns_steps=m.ns_steps,
-            ns_coefficients=m.ns_coefficients,
-            eps=m.eps,
-            adjust_lr_fn=m.adjust_lr_fn,
-            adamw_lr=a.lr,
-            adamw_betas=tuple(a.betas),
-            adamw_eps=a.eps,
-            adamw_weight_decay=a.weight_decay,
-            ns_dtype=NS_DTYPES[m.ns_dtype],
+            **muon_options(self.cfg),
             replicate_async=d.replicate_async,
             tp_distributed_gram=d.tp_distributed_gram,
         )

@@ -20,7 +20,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 from titan_dmuon.dmuon.muon import adjusted_lr
 from titan_dmuon.dmuon.newton_schulz import Coefficients, default_ns_dtype, zeropower_via_newtonschulz
 
-from .base import NS_DTYPES, OptimizerComponent, register_optimizer
+from .base import OptimizerComponent, muon_options, register_optimizer
 
 
 class NaiveMuon(torch.optim.Optimizer):
@@ -166,25 +166,12 @@ class MuonNaive(OptimizerComponent):
         return super().prepare(model, dims, mesh)
 
     def build(self) -> torch.optim.Optimizer:
-        m, a = self.cfg.optimizer.muon, self.cfg.optimizer.adamw
         muon = {id(p) for _, p in self.select_muon_params(self.model)}  # FSDP2's params now: select again
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = NaiveMuon(
             [p for p in params if id(p) in muon],
             [p for p in params if id(p) not in muon],
-            lr=m.lr,
-            momentum=m.momentum,
-            nesterov=m.nesterov,
-            weight_decay=m.weight_decay,
-            ns_steps=m.ns_steps,
-            ns_coefficients=m.ns_coefficients,
-            eps=m.eps,
-            adjust_lr_fn=m.adjust_lr_fn,
-            adamw_lr=a.lr,
-            adamw_betas=tuple(a.betas),
-            adamw_eps=a.eps,
-            adamw_weight_decay=a.weight_decay,
-            ns_dtype=NS_DTYPES[m.ns_dtype],
+            **muon_options(self.cfg),
         )
         return self.optimizer
 
