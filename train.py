@@ -1,6 +1,7 @@
 """Train a model: python train.py --config train_configs/debug_model.toml [--section.field value ...]
 
 Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
+Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N (titan_dmuon/planner.py).
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed, 2 configuration error.
 """
 
@@ -16,6 +17,8 @@ logger = logging.getLogger("train")
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
+    if cfg.job.dry_run:
+        return _dry_run(cfg)
     from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
 
     set_up_logging()
@@ -36,6 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close(graceful=graceful)
     return 0
+
+
+def _dry_run(cfg) -> int:
+    """--job.dry_run: plan the run on a fake process group (titan_dmuon/planner.py) and exit."""
+    from titan_dmuon.planner import dry_run
+    from titan_dmuon.trainer import set_up_logging
+
+    set_up_logging(rank=0)
+    try:
+        return dry_run(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

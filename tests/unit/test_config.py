@@ -132,6 +132,9 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert cfg.compile.enable is False and cfg.metrics.enable_tensorboard is False
     assert cfg.training.seed is None
     assert cfg.optimizer.dmuon.replicate_async is False and cfg.optimizer.muon.nesterov is False
+    # a bool flag with no value is true (`--job.dry_run`), before another flag or at the end
+    cfg = parse_args(["--compile.enable", "--job.dry_run", "--job.dry_run_world_size", "8", "--job.dry-run"])
+    assert cfg.compile.enable is True and cfg.job.dry_run is True and cfg.job.dry_run_world_size == 8
 
 
 def test_unknown_section_and_key(tmp_path):
@@ -202,6 +205,8 @@ def test_range_validation(tmp_path):
         (["--parallelism.data_parallel_shard_degree", "0"], r"-1 or >= 1"),
         (["--optimizer.muon.momentum", "1"], r"optimizer\.muon\.momentum must be in \[0, 1\)"),
         (["--optimizer.adamw.lr", "-1"], r"optimizer\.adamw\.lr must be >= 0"),
+        (["--job.dry_run"], r"job\.dry_run needs job\.dry_run_world_size >= 1"),
+        (["--job.dry_run_tflops", "0"], r"job\.dry_run_tflops must be > 0"),
     ]:
         with pytest.raises(ConfigError, match=pattern):
             parse_args(argv)

@@ -16,6 +16,19 @@ class Job:
     """Folder for everything a run writes: TensorBoard events, profiler traces, checkpoints."""
     description: str = "default job"
     """Free-text description of the run, logged at start-up."""
+    dry_run: bool = False
+    """Plan the run instead of training it: build the real model and the real TP/DMuon/FSDP2 placement on meta
+    tensors over a fake process group of dry_run_world_size ranks (no GPU, no memory), print per-rank memory, the
+    LPT plan and the bytes per step, and exit (titan_dmuon/planner.py).
+    """
+    dry_run_world_size: int = 0
+    """Ranks the dry run plans for (the parallelism degrees are resolved against it as for a real launch)."""
+    dry_run_json: str = ""
+    """Also write the dry run's figures (per rank too) to this JSON file."""
+    dry_run_tflops: float = 790.0
+    """Sustained bf16 matmul TFLOP/s per GPU for the dry run's Newton-Schulz time (790: what an H100/H200, dense
+    peak 989, sustains on large matmuls).
+    """
 
 
 @dataclass

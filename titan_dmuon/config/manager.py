@@ -303,6 +303,11 @@ def validate_config(cfg: JobConfig) -> JobConfig:
     except re.error as e:
         raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {o.muon_params!r}") from None
     _check(
+        not cfg.job.dry_run or cfg.job.dry_run_world_size >= 1,
+        f"job.dry_run needs job.dry_run_world_size >= 1 (the ranks to plan for), got {cfg.job.dry_run_world_size}",
+    )
+    _check(cfg.job.dry_run_tflops > 0, f"job.dry_run_tflops must be > 0, got {cfg.job.dry_run_tflops}")
+    _check(
         t.dataset == "stdlib" or bool(t.dataset_path),
         f"training.dataset_path is required for training.dataset = {t.dataset!r}",
     )
@@ -359,7 +364,8 @@ def _split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _normalize_bools(argv: list[str]) -> list[str]:
-    """Accept TOML-style true/false (any case) for bool flags; tyro only takes True/False."""
+    """Accept TOML-style true/false (any case) for bool flags, and a bool flag with no value as true
+    (`--job.dry_run`); tyro only takes True/False."""
     bool_flags = {f"--{path}" for path, tp in _all_leaves().items() if tp is bool}
     out = []
     for i, arg in enumerate(argv):
@@ -372,6 +378,8 @@ def _normalize_bools(argv: list[str]) -> list[str]:
             if prev in bool_flags:
                 arg = arg.capitalize()
         out.append(arg)
+        if not eq and flag in bool_flags and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append("True")
     return out
 
 

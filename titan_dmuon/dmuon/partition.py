@@ -88,6 +88,22 @@ def compute_balanced_assignment(
     return assignment
 
 
+def makespan_lower_bound(costs: Sequence[float], num_slots: int) -> float:
+    """A certified lower bound on the largest slot load of ANY assignment of these indivisible jobs to
+    `num_slots` slots: max(mean, largest, p_N + p_{N+1}) with p_1 >= p_2 >= ... (some slot carries the mean;
+    some slot holds the largest job; two of the N+1 largest jobs share a slot). LPT's makespan / this bound
+    measures how far from optimal a plan can be at most."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    p = sorted((float(c) for c in costs), reverse=True)
+    if not p:
+        return 0.0
+    bound = max(sum(p) / num_slots, p[0])
+    if len(p) > num_slots:
+        bound = max(bound, p[num_slots - 1] + p[num_slots])
+    return bound
+
+
 def slot_loads(
     items: Sequence[PartitionItem], assignment: dict[str, int], num_slots: int, ns_steps: int = 5
 ) -> list[float]:

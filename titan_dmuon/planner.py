@@ -1,0 +1,521 @@
+"""Dry-run planner: what a run costs on a cluster you do not have, from this CPU.
+
+    python train.py --config train_configs/llama3_70b.toml --job.dry_run --job.dry_run_world_size 256 \\
+        --parallelism.data_parallel_replicate_degree 4 --parallelism.tensor_parallel_degree 1
+
+It builds the real model and the real placement with the trainer's own code (build_meta_model, then
+`parallelize`: TP -> AC -> compile -> DMuon's dedicate_params -> FSDP2) on meta tensors, as rank 0 of torch's
+fake process group of `job.dry_run_world_size` ranks (collectives are no-ops; nothing is allocated). Every other
+rank's figures follow from that one build, exactly: DMuon's LPT plan is global and the same on every rank (owner
+coordinates, TP owners), and a rank's FSDP2 / TP shard shapes are torch's own shard arithmetic evaluated at its
+mesh coordinate. Rank g sits at (replicate, shard, tp) = row-major coordinates of g in the (R, N, T) mesh.
+
+Printed (and written to `job.dry_run_json`, with every rank's value): per-rank resident bytes (FSDP2 shards,
+DMuon fp32 masters, Muon momentum, AdamW moments, gradients), the DMuon packed-buffer transient peak and an
+activation estimate; the LPT plan (Newton-Schulz FLOPs per rank against a certified lower bound, owners per
+layer) and the owners' NS time at a given TFLOP/s; DMuon's bytes per step by ledger kind (the figures
+`dmuon.comm_stats` reports on a real run, next to the docs/dmuon.md formulas) and, on the same mesh, naive
+FSDP2 + Muon and FSDP2 + AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from titan_dmuon import dmuon
+from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec
+from titan_dmuon.components.optimizer import build_optimizer_component
+from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.parallel.parallelize import DTYPES
+
+logger = logging.getLogger(__name__)
+
+GIB, MIB = 2.0**30, 2.0**20
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The run's (replicate, shard, tp) degrees and every global rank's coordinates (row-major, as build_mesh)."""
+
+    R: int
+    N: int
+    T: int
+
+    @property
+    def world(self) -> int:
+        return self.R * self.N * self.T
+
+    def coords(self) -> dict[str, np.ndarray]:
+        g = np.arange(self.world)
+        return {"replicate": g // (self.N * self.T), "shard": (g // self.T) % self.N, "tp": g % self.T}
+
+    def rank(self, replicate: int, shard: int, tp: int) -> int:
+        return (replicate * self.N + shard) * self.T + tp
+
+
+# ------------------------------------------------------------------------------------------------- build
+def _vocab_size(cfg: JobConfig, spec: ModelSpec) -> tuple[int | None, str]:
+    """The tokenizer's vocabulary when it can be loaded here, else the flavor's own (a dry run needs no data)."""
+    from titan_dmuon.data import DataError, build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(cfg.model.tokenizer)
+        return tokenizer.vocab_size, f"tokenizer {cfg.model.tokenizer}"
+    except DataError as e:
+        own = getattr(spec.flavors[cfg.model.flavor], "vocab_size", -1)
+        if own and own > 0:
+            return None, f"the flavor's {own} (tokenizer {cfg.model.tokenizer!r} not loadable here)"
+        raise ConfigError(f"model.tokenizer: {e} (the dry run needs the vocabulary size)") from None
+
+
+def build_on_fake_world(cfg: JobConfig, world_size: int) -> tuple[torch.nn.Module, ModelSpec, ParallelDims, dict]:
+    """Rank 0 of a fake world: the meta model with the real TP / DMuon / FSDP2 placement (the trainer's code)."""
+    if cfg.optimizer.name != "dmuon":
+        raise ConfigError(
+            f"job.dry_run plans DMuon runs (optimizer.name = 'dmuon'), got {cfg.optimizer.name!r}: its tables put "
+            "muon_naive and adamw next to it on the same mesh"
+        )
+    try:
+        spec = get_model_spec(cfg.model.name)
+        check_flavor(spec, cfg.model.flavor)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    component = build_optimizer_component(cfg, spec)
+    dims = ParallelDims.from_config(cfg, world_size)
+    vocab, vocab_source = _vocab_size(cfg, spec)
+    # torch.compile wraps each block's forward and changes no placement or byte: skip its set-up here.
+    cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=False))
+    if dist.is_initialized():
+        raise RuntimeError("the dry-run planner makes its own (fake) process group: call it in a fresh process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    mesh = dims.build_mesh("cpu")
+    model = build_meta_model(spec, cfg, vocab)
+    nparams, flops_per_token = spec.nparams_and_flops(model, cfg.training.seq_len)
+    model = parallelize(model, dims, mesh, cfg, spec, component)
+    info = {"params": nparams, "flops_per_token": flops_per_token, "vocab": vocab_source}
+    return model, spec, dims, info
+
+
+# ------------------------------------------------------------------------------------------- per rank
+def _fsdp_local_numel(
+    model: torch.nn.Module, own: set, mesh: Mesh, block_prefixes: tuple[str, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(numel of every rank's FSDP2-managed local tensors, of those outside the blocks), per global rank.
+
+    Each param's local shape at a rank is torch's `_compute_local_shape_and_global_offset` at that rank's
+    coordinate in the param's mesh (FSDP2's Shard(0), `_StridedShard` over TP, TP shards), cached per class."""
+    coords = mesh.coords()
+    total, root = np.zeros(mesh.world), np.zeros(mesh.world)
+    cache: dict[tuple, np.ndarray] = {}
+    for fqn, p in model.named_parameters():
+        if p in own:
+            continue
+        if isinstance(p, DTensor):
+            names = tuple(p.device_mesh.mesh_dim_names)
+            key = (tuple(p.shape), names, tuple(p.device_mesh.shape), tuple(p.placements))
+        else:
+            key = (tuple(p.shape), (), (), ())
+        if key not in cache:
+            shape, names, mesh_shape, placements = key
+            if not names:
+                cache[key] = np.full(mesh.world, float(p.numel()))
+            else:  # only the coordinates of sharded mesh dims matter: a Replicate dim's is set to 0
+                at = np.stack(
+                    [coords[n] * (not pl.is_replicate()) for n, pl in zip(names, placements, strict=True)], axis=1
+                )
+                seen: dict[tuple, float] = {}
+                values = np.empty(mesh.world)
+                for g in range(mesh.world):
+                    c = tuple(int(v) for v in at[g])
+                    if c not in seen:
+                        local, _ = _compute_local_shape_and_global_offset(shape, mesh_shape, list(c), placements)
+                        seen[c] = float(np.prod(local))
+                    values[g] = seen[c]
+                cache[key] = values
+        total += cache[key]
+        if not fqn.startswith(block_prefixes):
+            root += cache[key]
+    return total, root
+
+
+def _packed_peak(sizes: Sequence[float], z3: bool) -> float:
+    """Bytes of DMuon's packed buffers alive at once (docs/dmuon.md lifecycle, the code's order), `sizes` the
+    groups' packed-buffer bytes in forward order.
+
+    Forward: Z3 holds the current group and the prefetched next one; Z2 ends forward with every group's. Backward
+    (reverse order), when group g's last grad lands: its buffer and the prefetched g-1 (Z2: every group not yet
+    reduced), the autograd grads of g and the packed grad buffer they are copied into, and the two older packed
+    grad buffers the reduce pipeline still holds (one stage-1 reduce and one stage-2 in flight)."""
+    n = len(sizes)
+
+    def s(i: int) -> float:
+        return sizes[i] if 0 <= i < n else 0.0
+
+    forward = max(s(g) + s(g + 1) for g in range(n)) if z3 else sum(sizes)
+    backward = 0.0
+    for g in reversed(range(n)):
+        params = s(g) + s(g - 1) if z3 else sum(sizes[: g + 1])
+        backward = max(backward, params + 2 * s(g) + s(g + 1) + s(g + 2))
+    return max(forward, backward)
+
+
+def _summary(values: np.ndarray) -> dict[str, Any]:
+    v = [float(x) for x in values]
+    return {"min": min(v), "median": float(statistics.median(v)), "max": max(v), "per_rank": v}
+
+
+def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
+    """Every figure of the dry run as a JSON-able dict (`format_plan` prints it)."""
+    world_size = world_size or cfg.job.dry_run_world_size
+    started = time.perf_counter()
+    model, spec, dims, info = build_on_fake_world(cfg, world_size)
+    mesh = Mesh(dims.dp_replicate, dims.dp_shard, dims.tp)
+    R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
+    coords = mesh.coords()
+    t, m = cfg.training, cfg.optimizer.muon
+    z3 = cfg.optimizer.dmuon.reshard_after_forward
+    param_dtype = DTYPES[t.mixed_precision_param]
+    reduce_dtype = DTYPES[t.mixed_precision_reduce]
+    e_param = param_dtype.itemsize
+    e_reduce = reduce_dtype.itemsize
+
+    dps = dmuon.get_dedicated_params(model)
+    own = set(dp.param for dp in dps)
+    master_bytes = 4.0  # fp32 masters, momentum and reduced grads
+    fsdp_elem = next(p.dtype.itemsize for n, p in model.named_parameters() if p not in own)
+
+    # ---- memory per rank ----------------------------------------------------------------------------------
+    block_prefixes = tuple(f"{fqn}." for fqn, _ in spec.blocks(model))
+    fsdp_numel, fsdp_root_numel = _fsdp_local_numel(model, own, mesh, block_prefixes)
+    col_numel = np.zeros(N)  # P_col(s): dedicated (TP-local) elements owned in shard column s
+    owner_numel = np.zeros((R, N))  # elements the global owner (s, r) updates
+    for dp in dps:
+        col_numel[dp.owner_shard] += dp.numel
+        owner_numel[dp.owner_replicate, dp.owner_shard] += dp.numel
+    masters = col_numel[coords["shard"]] * master_bytes
+    momentum = owner_numel[coords["replicate"], coords["shard"]] * master_bytes
+    fsdp = fsdp_numel * fsdp_elem
+    adamw = 2 * fsdp
+    grads = fsdp + momentum  # FSDP2's sharded grads + the global owners' fp32 _reduced_grad
+    resident = fsdp + masters + momentum + adamw + grads
+    groups: dict[int, list] = {}
+    for dp in dps:
+        groups.setdefault(dp.group.index, []).append(dp)
+    group_bytes = [sum(d.numel for d in groups[i]) * groups[i][0].group.dtype.itemsize for i in sorted(groups)]
+    transient = _packed_peak(group_bytes, z3)
+    activations = None
+    if spec.activation_bytes is not None:
+        activations = spec.activation_bytes(
+            model,
+            batch=t.local_batch_size,
+            seq_len=t.seq_len,
+            dtype_bytes=e_param,
+            tp=T,
+            ac_mode=cfg.activation_checkpoint.mode,
+        )
+    peak = resident + transient + (activations or 0.0)
+    memory = {
+        "fsdp_param_shards": _summary(fsdp),
+        "dmuon_fp32_masters": _summary(masters),
+        "muon_momentum": _summary(momentum),
+        "adamw_moments": _summary(adamw),
+        "gradients": _summary(grads),
+        "resident_total": _summary(resident),
+        "dmuon_packed_transient_peak": _summary(np.full(W, transient)),
+        "activations_estimate": None if activations is None else _summary(np.full(W, activations)),
+        "peak_estimate": _summary(peak),
+    }
+
+    # ---- LPT plan -----------------------------------------------------------------------------------------
+    ns_steps = m.ns_steps
+    cost = {dp.fqn: dmuon.partition.ns_cost(tuple(dp.full_shape), ns_steps) for dp in dps}  # half the matmul FLOPs
+    ns_flops = np.zeros(W)
+    jobs: list[float] = []
+    for dp in dps:  # a TP-sharded matrix runs on its TP owner; an unsharded one on each TP rank's DP owner
+        for tp in [dp.tp_owner] if dp.tp_group is not None else range(T):
+            ns_flops[mesh.rank(dp.owner_replicate, dp.owner_shard, tp)] += 2 * cost[dp.fqn]
+            jobs.append(2 * cost[dp.fqn])
+    bound = dmuon.partition.makespan_lower_bound(jobs, W)
+    slot_cost = np.zeros(R * N)
+    for dp in dps:
+        slot_cost[dp.owner_replicate * N + dp.owner_shard] += cost[dp.fqn]
+    slot_bound = dmuon.partition.makespan_lower_bound(list(cost.values()), R * N)
+    by_layer: dict[str, list] = {}
+    for dp in dps:
+        by_layer.setdefault(dp.group.module_fqn, []).append(dp)
+    owners_per_layer = [len({(d.owner_shard, d.owner_replicate) for d in v}) for v in by_layer.values()]
+    first = next(iter(by_layer.values()), [])
+    tflops = cfg.job.dry_run_tflops
+    naive_flops = 2 * sum(cost.values())  # naive FSDP2 + Muon: every rank orthogonalizes every full matrix
+    mean = float(ns_flops.mean())
+    lpt = {
+        "matrices": len(dps),
+        "layers": len(by_layer),
+        "slots": R * N,
+        "ns_steps": ns_steps,
+        "ns_flops_per_rank": _summary(ns_flops),
+        "ns_flops_mean": mean,
+        "ns_flops_lower_bound": bound,
+        "max_over_mean": float(ns_flops.max()) / mean if mean else 0.0,
+        "max_over_lower_bound": float(ns_flops.max()) / bound if bound else 0.0,
+        "slot_max_over_lower_bound": float(slot_cost.max()) / slot_bound if slot_bound else 0.0,
+        "owners_per_layer": {
+            "min": min(owners_per_layer, default=0),
+            "median": float(statistics.median(owners_per_layer)) if owners_per_layer else 0.0,
+            "max": max(owners_per_layer, default=0),
+            "matrices_per_layer": max((len(v) for v in by_layer.values()), default=0),
+        },
+        "first_layer": {
+            d.fqn: {"owner_shard": d.owner_shard, "owner_replicate": d.owner_replicate, "tp_owner": d.tp_owner}
+            for d in first
+        },
+        "owners": {
+            d.fqn: [d.owner_shard, d.owner_replicate, d.tp_owner if d.tp_group is not None else None] for d in dps
+        },
+        "tflops": tflops,
+        "ns_time_s_max": float(ns_flops.max()) / (tflops * 1e12),
+        "ns_time_s_mean": mean / (tflops * 1e12),
+        "naive_ns_flops_per_rank": naive_flops,
+        "naive_ns_time_s": naive_flops / (tflops * 1e12),
+    }
+
+    # ---- bytes per step -----------------------------------------------------------------------------------
+    comm = _bytes_per_step(cfg, dps, mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce)
+
+    elapsed = time.perf_counter() - started
+    return {
+        "config": {
+            "model": f"{cfg.model.name}/{cfg.model.flavor}",
+            "params": info["params"],
+            "vocab": info["vocab"],
+            "world_size": W,
+            "mesh": {"replicate": R, "shard": N, "tp": T},
+            "local_batch_size": t.local_batch_size,
+            "seq_len": t.seq_len,
+            "activation_checkpoint": cfg.activation_checkpoint.mode,
+            "param_dtype": t.mixed_precision_param,
+            "reduce_dtype": t.mixed_precision_reduce,
+            "dmuon_mode": "Z3" if z3 else "Z2",
+            "fsdp_reshard_after_forward": cfg.parallelism.fsdp_reshard_after_forward,
+        },
+        "memory_bytes": memory,
+        "lpt": lpt,
+        "bytes_per_step": comm,
+        "planner": {"seconds": elapsed, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+    }
+
+
+def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce) -> dict:
+    """Per rank, what DMuon's ledger records in a steady-state step (docs/dmuon.md, "Bytes per step"), the
+    formulas, and the other two optimizers on the same mesh (the Muon matrices; the other params apart)."""
+    R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
+    s_of, r_of = coords["shard"], coords["replicate"]
+    frac = lambda k: (k - 1) / k  # noqa: E731 - the per-rank share of a rooted collective over k ranks
+    kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter", "tp_gram")
+    elements = {k: np.zeros(W) for k in kinds}
+    nbytes = {k: np.zeros(W) for k in kinds}
+    p_m = float(sum(dp.numel for dp in dps))
+    p_col = np.zeros(N)
+    for dp in dps:
+        p_col[dp.owner_shard] += dp.numel
+    e_buf = dps[0].group.dtype.itemsize if dps else e_param
+    gram = cfg.optimizer.dmuon.tp_distributed_gram
+    ns_dtype_bytes = {"": 2, "float32": 4, "bfloat16": 2}[cfg.optimizer.muon.ns_dtype]  # "": the CUDA default
+    for dp in dps:  # each rank of a group records every broadcast/reduce segment of the shard group
+        e = dp.group.dtype.itemsize
+        if N > 1:
+            elements["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel
+            nbytes["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel * e
+            elements["reduce"] += frac(N) * dp.numel
+            nbytes["reduce"] += frac(N) * dp.numel * e
+        column = s_of == dp.owner_shard
+        if R > 1:
+            elements["replicate_reduce"][column] += frac(R) * dp.numel
+            nbytes["replicate_reduce"][column] += frac(R) * dp.numel * e
+            elements["replicate_broadcast"][column] += frac(R) * dp.numel
+            nbytes["replicate_broadcast"][column] += frac(R) * dp.numel * 4  # the fp32 master
+        if dp.tp_group is not None and T > 1:
+            owners = column & (r_of == dp.owner_replicate)  # the T ranks of the DP owner's TP group
+            m, n = dp.full_shape
+            if gram and dp.shard_dim == (0 if m > n else 1 if n > m else -1):
+                s = min(m, n)
+                elements["tp_gram"][owners] += 2 * frac(T) * s * s
+                nbytes["tp_gram"][owners] += 2 * frac(T) * s * s * ns_dtype_bytes
+            else:
+                full = dp.numel * T
+                for k in ("tp_gather", "tp_scatter"):
+                    elements[k][owners] += frac(T) * full
+                    nbytes[k][owners] += frac(T) * full * 4  # fp32 update shards
+    formula = {
+        "broadcast": (2 if z3 else 1) * frac(N) * p_m,
+        "reduce": frac(N) * p_m,
+        "replicate_reduce (per rank: (R-1)/R P_col(shard))": frac(R) * p_col[s_of],
+        "replicate_broadcast (per rank)": frac(R) * p_col[s_of],
+        "replicate row sum of replicate_reduce = (R-1)/R P_M": frac(R) * p_m,
+    }
+    dmuon_total = sum(nbytes.values())
+    # Naive FSDP2 + Muon and FSDP2 + AdamW on the Muon matrices (FSDP2 over the same N, the TP-local P_M).
+    reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"  # the blocks (they hold the Muon matrices)
+    p_full = float(sum(dp.numel * (T if dp.tp_group is not None else 1) for dp in dps))
+    all_gather = (2 if reshard else 1) * frac(N) * p_m * e_param
+    reduce_scatter = frac(N) * p_m * e_reduce
+    hsdp_all_reduce = 2 * frac(R) * p_m / N * e_reduce
+    grad_all_gather = frac(N * T) * p_full * 4  # full_tensor() of every fp32 Muon grad shard (shard and TP dims)
+    fsdp_adamw = all_gather + reduce_scatter + hsdp_all_reduce
+    # The other params (embeddings, norms, output): FSDP2 in all three.
+    one_row = r_of == 0  # a replicate row's N shard ranks hold each TP-local param once
+    p_other = np.array([fsdp_numel[one_row & (coords["tp"] == tp)].sum() for tp in range(T)])[coords["tp"]]
+    p_other_root = np.array([fsdp_root_numel[one_row & (coords["tp"] == tp)].sum() for tp in range(T)])[coords["tp"]]
+    mode = cfg.parallelism.fsdp_reshard_after_forward
+    ag_other = frac(N) * (
+        p_other_root * (2 if mode == "always" else 1) + (p_other - p_other_root) * (1 if mode == "never" else 2)
+    )
+    other = ag_other * e_param + frac(N) * p_other * e_reduce + 2 * frac(R) * p_other / N * e_reduce
+    return {
+        "dmuon_elements": {k: _summary(v) for k, v in elements.items()},
+        "dmuon_bytes": {k: _summary(v) for k, v in nbytes.items()},
+        "dmuon_total_bytes": _summary(dmuon_total),
+        "p_m_elements": p_m,
+        "packed_element_bytes": e_buf,
+        "formula_elements": {k: _summary(np.broadcast_to(v, (W,)).astype(float)) for k, v in formula.items()},
+        "naive_fsdp2_muon_bytes": {
+            "all_gather": all_gather,
+            "reduce_scatter": reduce_scatter,
+            "replicate_all_reduce": hsdp_all_reduce,
+            "grad_all_gather": grad_all_gather,
+            "total": fsdp_adamw + grad_all_gather,
+        },
+        "fsdp2_adamw_bytes": {
+            "all_gather": all_gather,
+            "reduce_scatter": reduce_scatter,
+            "replicate_all_reduce": hsdp_all_reduce,
+            "total": fsdp_adamw,
+        },
+        "other_params_fsdp2_bytes": _summary(other),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _row(label: str, s: dict | None, scale: float, unit: str, width: int = 46) -> str:
+    if s is None:
+        return f"  {label:<{width}} {'(no estimate for this family)':>36}"
+    return f"  {label:<{width}} {s['min'] / scale:>10.3f} {s['median'] / scale:>11.3f} {s['max'] / scale:>11.3f} {unit}"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    c, mem, lpt, comm = p["config"], p["memory_bytes"], p["lpt"], p["bytes_per_step"]
+    mesh = c["mesh"]
+    lines = [
+        f"Dry run: {c['model']}, {c['params']:,} params (vocab: {c['vocab']}), world {c['world_size']} = replicate "
+        f"{mesh['replicate']} x shard {mesh['shard']} x tp {mesh['tp']} (fake process group, meta tensors)",
+        f"  micro-batch {c['local_batch_size']} x {c['seq_len']} tokens per DP rank, AC {c['activation_checkpoint']}, "
+        f"params {c['param_dtype']} / reduce {c['reduce_dtype']}, DMuon-{c['dmuon_mode']}, "
+        f"FSDP2 reshard {c['fsdp_reshard_after_forward']}",
+        "",
+        f"  {'memory per rank':<46} {'min':>10} {'median':>11} {'max':>11}",
+    ]
+    unit, scale = ("GiB", GIB) if mem["peak_estimate"]["max"] >= GIB else ("MiB", MIB)
+    labels = [
+        ("fsdp_param_shards", "FSDP2 param shards (fp32)"),
+        ("dmuon_fp32_masters", "DMuon fp32 masters (owner column)"),
+        ("muon_momentum", "Muon momentum (global owner, fp32)"),
+        ("adamw_moments", "AdamW moments (FSDP2 params)"),
+        ("gradients", "gradients (FSDP2 shards + owners' reduced)"),
+        ("resident_total", "resident total"),
+        ("dmuon_packed_transient_peak", f"DMuon packed buffers, {c['dmuon_mode']} transient peak"),
+        ("activations_estimate", f"activations (estimate, AC {c['activation_checkpoint']})"),
+        ("peak_estimate", "peak estimate (resident + transient + activations)"),
+    ]
+    lines += [_row(label, mem[key], scale, unit) for key, label in labels]
+    lo = lpt["owners_per_layer"]
+    first = ", ".join(
+        f"{fqn.rsplit('.', 2)[-2]}->({o['owner_shard']},{o['owner_replicate']}"
+        + (f",tp{o['tp_owner']})" if mesh["tp"] > 1 else ")")
+        for fqn, o in lpt["first_layer"].items()
+    )
+    ns = lpt["ns_flops_per_rank"]
+    naive, adamw = comm["naive_fsdp2_muon_bytes"], comm["fsdp2_adamw_bytes"]
+    bunit, bscale = ("GiB", GIB) if naive["total"] >= GIB else ("MiB", MIB)
+    lines += [
+        "",
+        f"LPT plan: {lpt['matrices']} matrices in {lpt['layers']} layers over {lpt['slots']} DP owner slots "
+        f"(shard x replicate){' x tp ' + str(mesh['tp']) if mesh['tp'] > 1 else ''}, NS {lpt['ns_steps']} steps",
+        f"  NS TFLOP per rank and step: max {ns['max'] / 1e12:.3f}, mean {lpt['ns_flops_mean'] / 1e12:.3f} "
+        f"(max/mean {lpt['max_over_mean']:.3f}); certified lower bound {lpt['ns_flops_lower_bound'] / 1e12:.3f} "
+        f"(max/bound {lpt['max_over_lower_bound']:.3f}; per DP slot {lpt['slot_max_over_lower_bound']:.3f})",
+        f"  distinct owners per layer: min {lo['min']}, median {lo['median']:g}, max {lo['max']} "
+        f"(of {lo['matrices_per_layer']} matrices); first layer (shard,replicate): {first}",
+        f"  owner NS time per step at {lpt['tflops']:g} TFLOP/s: max {lpt['ns_time_s_max'] * 1e3:.2f} ms, "
+        f"mean {lpt['ns_time_s_mean'] * 1e3:.2f} ms (naive FSDP2 + Muon: every rank runs all "
+        f"{lpt['naive_ns_flops_per_rank'] / 1e12:.2f} TFLOP = {lpt['naive_ns_time_s'] * 1e3:.1f} ms)",
+        "",
+        f"Bytes per step per rank ({bunit}), the Muon matrices: P_M = {comm['p_m_elements']:,.0f} elements per TP rank",
+        f"  {'DMuon ledger kind':<46} {'min':>10} {'median':>11} {'max':>11}",
+    ]
+    fe = comm["formula_elements"]
+    for kind, s in comm["dmuon_bytes"].items():
+        if s["max"] == 0:
+            continue
+        lines.append(_row(kind, s, bscale, bunit))
+    lines.append(_row("DMuon total", comm["dmuon_total_bytes"], bscale, bunit))
+    check = {
+        "broadcast": "broadcast",
+        "reduce": "reduce",
+        "replicate_reduce": "replicate_reduce (per rank: (R-1)/R P_col(shard))",
+        "replicate_broadcast": "replicate_broadcast (per rank)",
+    }
+    ok = all(
+        np.allclose(comm["dmuon_elements"][k]["per_rank"], fe[f]["per_rank"], rtol=1e-12, atol=0)
+        for k, f in check.items()
+    )
+    lines.append(
+        f"  formulas (docs/dmuon.md): broadcast {'2' if c['dmuon_mode'] == 'Z3' else ''}(N-1)/N P_M, reduce "
+        f"(N-1)/N P_M, replicate_* (R-1)/R P_col(shard): {'equal' if ok else 'DIFFERENT'}"
+    )
+    lines += [
+        f"  {'naive FSDP2 + Muon':<46} {naive['total'] / bscale:>34.3f} {bunit}  (all-gather "
+        f"{naive['all_gather'] / bscale:.2f} + reduce-scatter {naive['reduce_scatter'] / bscale:.2f} + replicate "
+        f"all-reduce {naive['replicate_all_reduce'] / bscale:.2f} + grad all-gather "
+        f"{naive['grad_all_gather'] / bscale:.2f}; NS on every rank)",
+        f"  {'FSDP2 + AdamW':<46} {adamw['total'] / bscale:>34.3f} {bunit}  (all-gather, reduce-scatter, replicate "
+        "all-reduce)",
+        _row("other params (FSDP2, the same in all three)", comm["other_params_fsdp2_bytes"], bscale, bunit),
+        "",
+        f"Planned in {p['planner']['seconds']:.1f} s, {p['planner']['max_rss_bytes'] / GIB:.2f} GiB RSS",
+    ]
+    return "\n".join(lines)
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """`train.py --job.dry_run`: plan, print, write the JSON; 0 on success."""
+    try:
+        result = plan(cfg)
+        print(format_plan(result), flush=True)
+        if cfg.job.dry_run_json:
+            with open(cfg.job.dry_run_json, "w") as f:
+                json.dump(result, f, indent=1)
+            logger.info("Dry-run figures in %s", cfg.job.dry_run_json)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+__all__ = ["Mesh", "build_on_fake_world", "dry_run", "format_plan", "plan"]
