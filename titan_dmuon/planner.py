@@ -441,7 +441,7 @@ def format_plan(p: dict[str, Any]) -> str:
         ("resident_total", "resident total"),
         ("dmuon_packed_transient_peak", f"DMuon packed buffers, {c['dmuon_mode']} transient peak"),
         ("activations_estimate", f"activations (estimate, AC {c['activation_checkpoint']})"),
-        ("peak_estimate", "peak estimate (resident + transient + activations)"),
+        ("peak_estimate", "peak (resident + transient + activations)"),
     ]
     lines += [_row(label, mem[key], scale, unit) for key, label in labels]
     lo = lpt["owners_per_layer"]
