@@ -199,7 +199,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     dps = dmuon.get_dedicated_params(model)
     own = set(dp.param for dp in dps)
     master_bytes = 4.0  # fp32 masters, momentum and reduced grads
-    fsdp_elem = next(p.dtype.itemsize for n, p in model.named_parameters() if p not in own)
+    fsdp_elem = next((p.dtype.itemsize for p in model.parameters() if p not in own), 4)
 
     # ---- memory per rank ----------------------------------------------------------------------------------
     block_prefixes = tuple(f"{fqn}." for fqn, _ in spec.blocks(model))
