@@ -3,6 +3,7 @@
 from titan_dmuon.config.job_config import (
     ActivationCheckpoint,
     AdamWConfig,
+    Comm,
     Compile,
     DMuonConfig,
     Job,
@@ -32,6 +33,7 @@ from titan_dmuon.config.manager import (
 __all__ = [
     "ActivationCheckpoint",
     "AdamWConfig",
+    "Comm",
     "Compile",
     "ConfigError",
     "ConfigManager",

@@ -22,7 +22,17 @@ class Job:
     LPT plan and the bytes per step, and exit (titan_dmuon/planner.py).
     """
     dry_run_world_size: int = 0
-    """Ranks the dry run plans for (the parallelism degrees are resolved against it as for a real launch)."""
+    """Ranks the dry run plans for (the parallelism degrees are resolved against it as for a real launch); 0 =
+    dry_run_nodes x dry_run_gpus_per_node.
+    """
+    dry_run_nodes: int = 0
+    """Nodes the dry run plans for (world size = nodes x dry_run_gpus_per_node; the layout it prints puts ranks on
+    nodes as torchrun numbers them). 0 = from dry_run_world_size.
+    """
+    dry_run_gpus_per_node: int = 8
+    """GPUs (ranks) per node of the planned cluster: what parallelism.data_parallel_replicate_degree = "nodes" and
+    the printed node layout resolve against.
+    """
     dry_run_json: str = ""
     """Also write the dry run's figures (per rank too) to this JSON file."""
     dry_run_tflops: float = 790.0
@@ -173,8 +183,11 @@ class Training:
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    """Replicas of the model (the HSDP replicate axis; DDP when the shard degree is 1)."""
+    data_parallel_replicate_degree: int | Literal["nodes"] = 1
+    """Replicas of the model (the HSDP replicate axis; DDP when the shard degree is 1). "nodes" = one replica per node
+    (the number of nodes: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE), so each shard group stays inside a node and each
+    replicate group spans the nodes; it needs shard x tp = ranks per node, and start-up checks it on the real hosts.
+    """
     data_parallel_shard_degree: int = -1
     """Ranks one replica is sharded over (FSDP2 / DMuon ownership); -1 = world_size // (replicate * tp)."""
     tensor_parallel_degree: int = 1
@@ -182,6 +195,26 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed
     again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2).
+    """
+
+
+@dataclass
+class Comm:
+    """[comm]: process-group timeouts and the heartbeat, so a dead or hung rank ends the job instead of holding it."""
+
+    init_timeout_seconds: int = 300
+    """Timeout of every collective from process-group creation to the end of the first training step (rendezvous,
+    mesh, weight init, the first step with its compile): a rank that does not join within it ends the job.
+    """
+    train_timeout_seconds: int = 100
+    """Timeout of every collective after the first step (torch's default: 30 min on gloo, 10 on NCCL): a dead or hung
+    rank ends the job after this long. Raise it when a checkpoint save or validation keeps some ranks out of
+    collectives for longer.
+    """
+    heartbeat_seconds: float = 5.0
+    """Interval of each rank's heartbeat (a counter in the rendezvous store). Ranks 0 and world-1 watch the others and
+    name, with its host, a rank that missed 3 in a row (dead, stopped or hung), also in their error when a collective
+    fails. 0 turns it off.
     """
 
 
@@ -247,6 +280,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)

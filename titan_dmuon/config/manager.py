@@ -272,10 +272,17 @@ def validate_config(cfg: JobConfig) -> JobConfig:
         ("profiling.profile_freq", cfg.profiling.profile_freq),
         ("validation.freq", cfg.validation.freq),
         ("validation.steps", cfg.validation.steps),
-        ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
         ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+        ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds),
+        ("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds),
+        ("job.dry_run_gpus_per_node", cfg.job.dry_run_gpus_per_node),
     ]:
         _check(value >= 1, f"{key} must be >= 1, got {value}")
+    _check(
+        p.data_parallel_replicate_degree == "nodes" or p.data_parallel_replicate_degree >= 1,
+        f'parallelism.data_parallel_replicate_degree must be >= 1 or "nodes", got {p.data_parallel_replicate_degree}',
+    )
+    _check(cfg.comm.heartbeat_seconds >= 0, f"comm.heartbeat_seconds must be >= 0, got {cfg.comm.heartbeat_seconds}")
     _check(
         p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
         f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}",
@@ -303,8 +310,15 @@ def validate_config(cfg: JobConfig) -> JobConfig:
     except re.error as e:
         raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {o.muon_params!r}") from None
     _check(
-        not cfg.job.dry_run or cfg.job.dry_run_world_size >= 1,
-        f"job.dry_run needs job.dry_run_world_size >= 1 (the ranks to plan for), got {cfg.job.dry_run_world_size}",
+        not cfg.job.dry_run or cfg.job.dry_run_world_size >= 1 or cfg.job.dry_run_nodes >= 1,
+        f"job.dry_run needs job.dry_run_world_size >= 1 (the ranks to plan for) or job.dry_run_nodes >= 1, got "
+        f"{cfg.job.dry_run_world_size}",
+    )
+    _check(
+        not (cfg.job.dry_run_world_size and cfg.job.dry_run_nodes)
+        or cfg.job.dry_run_world_size == cfg.job.dry_run_nodes * cfg.job.dry_run_gpus_per_node,
+        f"job.dry_run_world_size ({cfg.job.dry_run_world_size}) != job.dry_run_nodes ({cfg.job.dry_run_nodes}) x "
+        f"job.dry_run_gpus_per_node ({cfg.job.dry_run_gpus_per_node}): give one of them, or both consistent",
     )
     _check(cfg.job.dry_run_tflops > 0, f"job.dry_run_tflops must be > 0, got {cfg.job.dry_run_tflops}")
     _check(
@@ -314,14 +328,17 @@ def validate_config(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-def validate_parallelism(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
-    """(replicate, shard, tp) degrees for this world size, resolving shard = -1 to the remaining ranks."""
+def validate_parallelism(cfg: JobConfig, world_size: int, ranks_per_node: int | None = None) -> tuple[int, int, int]:
+    """(replicate, shard, tp) degrees for this world size, resolving shard = -1 to the remaining ranks and replicate
+    = "nodes" to the number of nodes (world_size / ranks_per_node, each node one whole replica)."""
     p = cfg.parallelism
     dp_replicate, dp_shard, tp = (
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
     )
+    if dp_replicate == "nodes":
+        dp_replicate = _replicas_per_node(world_size, ranks_per_node, dp_shard, tp)
     if dp_shard == -1:
         rest, remainder = divmod(world_size, dp_replicate * tp)
         if remainder or rest == 0:
@@ -339,6 +356,23 @@ def validate_parallelism(cfg: JobConfig, world_size: int) -> tuple[int, int, int
             f"but the world size is {world_size}"
         )
     return dp_replicate, dp_shard, tp
+
+
+def _replicas_per_node(world_size: int, ranks_per_node: int | None, dp_shard: int, tp: int) -> int:
+    """The replicate degree for "nodes": one replica per node, so shard x tp must fill a node exactly."""
+    key = 'parallelism.data_parallel_replicate_degree = "nodes"'
+    if ranks_per_node is None:
+        raise ConfigError(f"{key} needs the ranks per node (torchrun's LOCAL_WORLD_SIZE; job.dry_run_gpus_per_node)")
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ConfigError(f"{key}: world size {world_size} is not a whole number of nodes of {ranks_per_node} ranks")
+    if ranks_per_node % tp:
+        raise ConfigError(f"{key}: tensor_parallel_degree ({tp}) does not divide the {ranks_per_node} ranks per node")
+    if dp_shard != -1 and dp_shard * tp != ranks_per_node:
+        raise ConfigError(
+            f"{key} needs data_parallel_shard_degree x tensor_parallel_degree = the ranks per node ({ranks_per_node}), "
+            f"got {dp_shard} x {tp}: set data_parallel_shard_degree = -1 (or {ranks_per_node // tp})"
+        )
+    return world_size // ranks_per_node
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,9 +43,10 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
-        """Resolve the configured degrees (shard = -1 takes the remaining ranks); raises ConfigError."""
-        replicate, shard, tp = validate_parallelism(cfg, world_size)
+    def from_config(cls, cfg: JobConfig, world_size: int, ranks_per_node: int | None = None) -> ParallelDims:
+        """Resolve the configured degrees (shard = -1 takes the remaining ranks, replicate = "nodes" one replica per
+        node of ranks_per_node ranks); raises ConfigError."""
+        replicate, shard, tp = validate_parallelism(cfg, world_size, ranks_per_node)
         return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size)
 
     @property
