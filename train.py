@@ -2,7 +2,8 @@
 
 Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
 Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N (titan_dmuon/planner.py).
-Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed, 2 configuration error.
+Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed (also when a peer rank died or hung:
+a collective timed out, comm.*_timeout_seconds), 2 configuration error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
     if cfg.job.dry_run:
         return _dry_run(cfg)
+    from titan_dmuon.parallel.failures import CommFailureError
     from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
 
     set_up_logging()
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         graceful = True
         logger.error("%s", e)  # every rank logs it (ERROR passes the non-zero ranks' WARNING level)
         return 1
+    except CommFailureError as e:  # a peer died or hung: say who saw it and whom the heartbeat names, no traceback
+        logger.error("%s", e)
+        return 1  # torchrun stops this node's other ranks, srun --kill-on-bad-exit=1 the other nodes
     finally:  # anything else propagates (traceback, exit 1; torchrun stops the other ranks)
         if trainer is not None:
             trainer.close(graceful=graceful)

@@ -32,6 +32,10 @@ from titan_dmuon.data import DataError, build_dataloader, build_tokenizer
 from titan_dmuon.lr_scheduler import build_lr_scheduler
 from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.parallel import ParallelDims, materialize, parallelize
+from titan_dmuon.parallel.failures import comm_failures, describe_comm_failure
+from titan_dmuon.parallel.heartbeat import Heartbeat
+from titan_dmuon.parallel.layout import check_node_layout, describe_layout, gather_places, node_names, this_place
+from titan_dmuon.parallel.process_group import init_process_group, ranks_per_node, set_collective_timeout
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
@@ -48,8 +52,12 @@ class Trainer:
         self._owns_process_group = False
         self.metrics: MetricsLogger | None = None
         self.optim = None  # the optimizer component (self.optimizer is its torch.optim.Optimizer)
+        self.heartbeat: Heartbeat | None = None
+        self.place = this_place()
+        self.collective_timeout = float(cfg.comm.init_timeout_seconds)
         try:
-            self._build()
+            with comm_failures(self._describe_comm_failure):  # a dead or hung peer: CommFailureError
+                self._build()
         except BaseException as e:  # e.g. a ConfigError found after dist init: leave no process group behind
             self.close(graceful=isinstance(e, ConfigError))
             raise
@@ -73,8 +81,10 @@ class Trainer:
         self._init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # 3. Degrees and the one mesh (replicate, shard, tp); TP ranks of a DP group share data.
-        self.dims = ParallelDims.from_config(cfg, self.world_size)
+        self.dims = ParallelDims.from_config(cfg, self.world_size, ranks_per_node())
         self.mesh = self.dims.build_mesh(self.device.type)
+        # 3b. Where the ranks run (one all_gather_object), checked for replicate = "nodes", logged; the heartbeat.
+        self._set_up_layout_and_failures()
         self.dp_rank, self.dp_world_size = self.dims.dp_coordinates(self.mesh)
         logger.info("%s; %s", cfg.job.description, self.dims.describe())
         # 4. Seed (the same on every rank: the initial weights are drawn from it) and determinism.
@@ -144,12 +154,30 @@ class Trainer:
     def _init_distributed(self) -> None:
         if dist.is_initialized():  # the caller made the group (e.g. a test harness): use it, leave it
             return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (also under srun)
-            dist.init_process_group(backend, device_id=self.device if self.device.type == "cuda" else None)
-        else:  # `python train.py`: a group of one, no rendezvous needed
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_process_group(self.device, self.cfg.comm)  # torchrun (also under srun), or a group of one
         self._owns_process_group = True
+
+    def _set_up_layout_and_failures(self) -> None:
+        """Gather every rank's host, check replicate = "nodes" against them, log the layout; on a process group
+        this trainer made, bound the mesh's collectives by the init timeout too and start the heartbeat."""
+        if self._owns_process_group:
+            set_collective_timeout(self.collective_timeout)  # the mesh's groups were made with torch's default
+            if self.world_size > 1 and self.cfg.comm.heartbeat_seconds > 0:
+                store = dist.distributed_c10d._get_default_store()
+                self.heartbeat = Heartbeat(store, self.rank, self.world_size, self.cfg.comm.heartbeat_seconds)
+                self.heartbeat.start()
+        places = gather_places()
+        self.hosts = node_names(places)
+        if self.heartbeat is not None:
+            self.heartbeat.watch(self.hosts)
+        if self.cfg.parallelism.data_parallel_replicate_degree == "nodes":
+            check_node_layout(self.dims, places)
+        logger.info("%s", describe_layout(self.dims, self.hosts))
+
+    def _describe_comm_failure(self, exc: BaseException) -> str | None:
+        silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else []
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        return describe_comm_failure(exc, rank, self.place.host, self.collective_timeout, silent)
 
     def _set_determinism(self) -> int:
         seed = self.cfg.training.seed
@@ -261,6 +289,11 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- loop
     def train(self) -> None:
+        """Run training.steps steps; a collective that fails because a peer died or hung raises CommFailureError."""
+        with comm_failures(self._describe_comm_failure):
+            self._train()
+
+    def _train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
         log_freq = cfg.metrics.log_freq
         data_iter = iter(self.dataloader)
@@ -286,6 +319,9 @@ class Trainer:
                 for i, group in enumerate(self.optimizer.param_groups):
                     lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
                 loss, grad_norm, ntokens = self.train_step(data_iter)
+                if self.step == 1 and self._owns_process_group:  # set-up and the first step (compile) are done
+                    self.collective_timeout = float(cfg.comm.train_timeout_seconds)
+                    set_collective_timeout(self.collective_timeout)
                 interval_tokens += ntokens
                 tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
@@ -323,6 +359,9 @@ class Trainer:
 
         graceful=False (after an unexpected error) talks to no other rank: the peers may be gone or stuck.
         """
+        if self.heartbeat is not None:
+            self.heartbeat.stop(clean=graceful)
+            self.heartbeat = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -1,0 +1,44 @@
+"""The process group, with timeouts that end a job whose rank died or hung instead of letting it wait.
+
+torch's defaults wait 30 min (gloo) or 10 min (NCCL) in a collective a peer never joins, and the groups that
+init_device_mesh makes do not inherit init_process_group's timeout. So every group gets `comm.init_timeout_seconds`
+until the first step is done (rendezvous, mesh, weight init, the first step and its compile) and
+`comm.train_timeout_seconds` after it. On a timeout gloo raises in the waiting rank (train.py reports it and exits
+1; torchrun then stops that node's other ranks, srun --kill-on-bad-exit=1 the other nodes); NCCL's watchdog
+aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here where unset).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from titan_dmuon.config import Comm
+
+
+def init_process_group(device: torch.device, comm: Comm) -> None:
+    """gloo on CPU, NCCL on CUDA, every collective bounded by comm.init_timeout_seconds. Under torchrun (also
+    under srun) it joins the rendezvous; a lone `python train.py` makes a group of one, no rendezvous needed."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a timed-out NCCL collective ends the process
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=comm.init_timeout_seconds)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every collective of every process group this process has made so far (the default group and the
+    mesh's) by `seconds`; groups made later get torch's default."""
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def ranks_per_node() -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
