@@ -8,7 +8,9 @@ It builds the real model and the real placement with the trainer's own code (bui
 fake process group of `job.dry_run_world_size` ranks (collectives are no-ops; nothing is allocated). Every other
 rank's figures follow from that one build, exactly: DMuon's LPT plan is global and the same on every rank (owner
 coordinates, TP owners), and a rank's FSDP2 / TP shard shapes are torch's own shard arithmetic evaluated at its
-mesh coordinate. Rank g sits at (replicate, shard, tp) = row-major coordinates of g in the (R, N, T) mesh.
+mesh coordinate. Rank g sits at (replicate, shard, tp) = row-major coordinates of g in the (R, N, T) mesh, on node
+g // job.dry_run_gpus_per_node (as torchrun numbers ranks); `--job.dry_run_nodes M` plans M nodes of that many GPUs
+and the plan starts with the node layout the run's start-up log will show (titan_dmuon/parallel/layout.py).
 
 Printed (and written to `job.dry_run_json`, with every rank's value): per-rank resident bytes (FSDP2 shards,
 DMuon fp32 masters, Muon momentum, AdamW moments, gradients), the DMuon packed-buffer transient peak and an
@@ -41,6 +43,7 @@ from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flav
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.parallel.layout import describe_layout
 from titan_dmuon.parallel.parallelize import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -96,7 +99,7 @@ def build_on_fake_world(cfg: JobConfig, world_size: int) -> tuple[torch.nn.Modul
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     component = build_optimizer_component(cfg, spec)
-    dims = ParallelDims.from_config(cfg, world_size)
+    dims = ParallelDims.from_config(cfg, world_size, cfg.job.dry_run_gpus_per_node)
     vocab, vocab_source = _vocab_size(cfg, spec)
     # torch.compile wraps each block's forward and changes no placement or byte: skip its set-up here.
     cfg = dataclasses.replace(cfg, compile=dataclasses.replace(cfg.compile, enable=False))
@@ -183,7 +186,7 @@ def _summary(values: np.ndarray) -> dict[str, Any]:
 
 def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     """Every figure of the dry run as a JSON-able dict (`format_plan` prints it)."""
-    world_size = world_size or cfg.job.dry_run_world_size
+    world_size = world_size or cfg.job.dry_run_world_size or cfg.job.dry_run_nodes * cfg.job.dry_run_gpus_per_node
     started = time.perf_counter()
     model, spec, dims, info = build_on_fake_world(cfg, world_size)
     mesh = Mesh(dims.dp_replicate, dims.dp_shard, dims.tp)
@@ -315,6 +318,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             "dmuon_mode": "Z3" if z3 else "Z2",
             "fsdp_reshard_after_forward": cfg.parallelism.fsdp_reshard_after_forward,
         },
+        "layout": describe_layout(dims, [f"node{g // cfg.job.dry_run_gpus_per_node}" for g in range(W)]),
         "memory_bytes": memory,
         "lpt": lpt,
         "bytes_per_step": comm,
@@ -428,6 +432,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  micro-batch {c['local_batch_size']} x {c['seq_len']} tokens per DP rank, AC {c['activation_checkpoint']}, "
         f"params {c['param_dtype']} / reduce {c['reduce_dtype']}, DMuon-{c['dmuon_mode']}, "
         f"FSDP2 reshard {c['fsdp_reshard_after_forward']}",
+        "",
+        p["layout"],
         "",
         f"  {'memory per rank':<46} {'min':>10} {'median':>11} {'max':>11}",
     ]

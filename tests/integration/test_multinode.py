@@ -8,7 +8,8 @@ scontrol (tests/integration/fake_slurm.py), each node its own torchrun agent and
     rank;
   - one rank SIGSTOPped (a hang): the others time out after comm.train_timeout_seconds, the heartbeat watcher
     names the rank and its node, and every process ends non-zero.
-No process of the job outlives a test (the finally kills whatever is left, SIGCONT first).
+No process of the job outlives a test (the finally kills whatever is left, SIGCONT first). The dry run prints the
+same layout for 2 planned nodes of 2 GPUs.
 """
 
 from __future__ import annotations
@@ -206,3 +207,24 @@ def test_slurm_dead_or_hung_rank_ends_the_job(tmp_path, how) -> None:
         assert f"collective timed out after {timeout_s} s" in out, out[-8000:]
     print(f"{how}: the job ended {elapsed:.1f} s after the signal (exit {code}, tasks {task_codes})")
     print("".join(line for line in job.lines if re.search(r"on host|exitcode|rank\s+:|fake srun", line)))
+
+
+def test_dry_run_prints_the_node_layout_of_the_real_run() -> None:
+    """The planner, for 2 nodes x 2 GPUs, prints the layout the SLURM run above logs (node names node0, node1)."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", "train_configs/debug_model.toml", "--model.flavor", "tinymodel"]
+        + ["--job.dry_run", "--job.dry_run_nodes", "2", "--job.dry_run_gpus_per_node", "2"]
+        + ["--parallelism.data_parallel_replicate_degree", "nodes"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (
+        "Layout: 4 ranks on 2 node(s) of 2 ranks; mesh (replicate, shard, tp) = (2, 2, 1), row-major\n"
+        "  nodes: node0 = ranks 0-1; node1 = ranks 2-3\n"
+        "  shard groups: 2 x 2 ranks, each inside one node: [0-1] on node0; [2-3] on node1\n"
+        "  replicate groups: 2 x 2 ranks, each across 2 nodes, one rank on each: [0, 2] on node0, node1; [1, 3] on "
+        "node0, node1\n"
+    ) in proc.stdout, proc.stdout
