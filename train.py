@@ -1,7 +1,8 @@
 """Train a model: python train.py --config train_configs/debug_model.toml [--section.field value ...]
 
 Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
-Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N (titan_dmuon/planner.py).
+Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N or --job.dry_run_nodes M (planner.py).
+Multi-node: scripts/multinode_trainer.slurm (sbatch); docs/training.md, Launching.
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed (also when a peer rank died or hung:
 a collective timed out, comm.*_timeout_seconds), 2 configuration error.
 """
