@@ -194,7 +194,10 @@ def test_tp_distributed_gram_matches_gram_reference_and_skips_gather():
     results = run_distributed(_train, 4, "dp_tp", (2, 2), tp_distributed_gram=True)
     _check_parity(results, 2, gram_for_rectangular=True)
     s = D  # short side of gate/up/down: Gram all-reduce of s×s per matrix on each DP-owner TP rank
+    # per restart segment: the "muon" triple 5 times restarts before steps 2 and 4 (a product of a = 3.4445 over a
+    # third step, 40.9, passes the restart gain 40), so 3 all-reduces per matrix
+    segments = 3
     for r in results:
         grams = r["ledger"]["tp_gram"]
         assert grams == 0 or grams % (s * s) == 0
-    assert sum(r["ledger"]["tp_gram"] for r in results) == pytest.approx(3 * LAYERS * 2 * s * s * 1.0)
+    assert sum(r["ledger"]["tp_gram"] for r in results) == pytest.approx(3 * LAYERS * 2 * s * s * segments)

@@ -1,14 +1,21 @@
-"""Newton-Schulz orthogonalization: one function, two formulations, named coefficient sets.
+"""Newton-Schulz orthogonalization: one function for every caller, two formulations, named coefficient sets.
 
-Why one function: every path (1D, HSDP, DDP, TP) must run bitwise the same iteration, so the optimizer calls
-only `zeropower_via_newtonschulz` and the formulation/backend is a parameter, never a second implementation.
+Why one function: every path (1D, HSDP, DDP, TP owner, TP distributed Gram) must run the same iteration, so
+the optimizer calls only `zeropower_via_newtonschulz`; a single matrix or a same-shape batch, the formulation
+("direct" or "gram") and the kernel of the symmetric products ("torch" or "triton", ns_ops.py) are
+parameters, never a second implementation. `orthogonalize_stack` and `batch_plan` let an owner run its
+same-shape matrices as one batched (bmm-shaped) call in memory-bounded chunks.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+from .ns_ops import NSOps, resolve_kernel
 
 Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
 
@@ -59,9 +66,36 @@ def _norm_cushion(spec: Coefficients) -> float:
     return _NORM_CUSHION.get(spec, 1.0) if isinstance(spec, str) else 1.0
 
 
+FORMULATIONS = ("direct", "gram")
+
+GRAM_RESTART_GAIN = 40.0
+"""The Gram formulation restarts (forms X and X·Xᵀ afresh) before a step that would take the product of the
+`a` coefficients since the last restart above this: that product is the gain the iterate applies to the
+smallest singular values, and to the rounding errors of the Gram matrix (spurious eigenvalues near zero grow
+by about a² per step). Measured on ill-conditioned and low-rank-plus-noise inputs (docs/dmuon.md, "The
+update"): 40 keeps bf16 Gram NS as close to the exact iteration as bf16 direct NS, and fp32 Gram NS within
+1e-4 of fp32 direct, where no restart gives 1e3x norm blow-ups in bf16 and 1e-3 deviations in fp32."""
+
+NS_MAX_BATCH_ELEMENTS = 1 << 26
+"""Default bound on the elements of one batched NS call (`batch_plan`): a stack and its iterates in the NS
+dtype stay within a few times this (64M elements: 128 MB per copy in bf16)."""
+
+
 def default_ns_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (exactness, no bf16 matmul speedup there), bf16 on CUDA (tensor cores)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def gram_restarts(triples: Sequence[tuple[float, float, float]]) -> tuple[int, ...]:
+    """The steps before which the Gram formulation restarts (see GRAM_RESTART_GAIN). Polar Express, 5 steps:
+    (2,); "muon", 5 steps: (2, 4)."""
+    out, gain = [], 1.0
+    for i, (a, _, _) in enumerate(triples):
+        if i and gain * abs(a) > GRAM_RESTART_GAIN:
+            out.append(i)
+            gain = 1.0
+        gain *= abs(a)
+    return tuple(out)
 
 
 def zeropower_via_newtonschulz(
@@ -72,57 +106,146 @@ def zeropower_via_newtonschulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     formulation: str = "direct",
+    kernel: str = "auto",
     full_shape: Sequence[int] | None = None,
     reduce_gram: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Approximate the orthogonal polar factor U Vᵀ of a 2D matrix with `ns_steps` quintic iterations.
+    """Approximate the orthogonal polar factor U Vᵀ of a matrix (m, n), or of each matrix of a stack
+    (batch, m, n), with `ns_steps` quintic iterations. Returns a tensor of `dtype` and of `grad`'s shape.
 
-    X ← a·X + b·(X Xᵀ) X + c·(X Xᵀ)² X, on the short side (X is transposed when tall), after scaling X
-    to Frobenius norm ≤ 1. `formulation="gram"` iterates on the s×s Gram matrix instead (s the short side):
-    A ← Q A Q and P ← Q P with Q = aI + bA + cA², then returns P X₀: the same polynomial, s³ per step
-    instead of s²·l, which wins for very rectangular matrices. Returns a tensor of `dtype`.
+    Direct: X ← a·X + b·(X Xᵀ) X + c·(X Xᵀ)² X on the short side (X transposed when tall), after scaling X to
+    Frobenius norm ≤ 1 (÷1.01 more for Polar Express). Gram: the same polynomial on the s×s Gram matrix
+    (s the short side): Q = aI + bA + cA², A ← Q A Q, P ← Q P, and X ← P X at each restart
+    (`gram_restarts`) and at the end; the s×s iterates are kept in fp32 (fp64 for fp64) while the products
+    take their operands in `dtype` and accumulate in fp32. `kernel` picks who runs the symmetric products
+    (ns_ops.py). A stack of one matrix runs the single-matrix path, so batching never changes a lone matrix.
 
     Distributed Gram (TP): `grad` is one block of a matrix of `full_shape` split along its long side;
-    `reduce_gram` sums the blocks' partial Gram matrices over the TP group (one s×s all-reduce), the
-    norm comes from its trace, and each rank returns its own block of the result.
+    `reduce_gram` sums the blocks' partial Gram matrices over the TP group (one s×s fp32 all-reduce per
+    restart segment), the norm comes from the first one's trace, and each rank returns its own block.
     """
-    if grad.ndim != 2:
-        raise ValueError(f"Newton-Schulz needs a 2D matrix, got shape {tuple(grad.shape)}")
+    if grad.ndim not in (2, 3):
+        raise ValueError(f"Newton-Schulz needs a 2D matrix or a (batch, m, n) stack, got shape {tuple(grad.shape)}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"unknown NS formulation {formulation!r}: use 'direct' or 'gram'")
+    if reduce_gram is not None and (formulation != "gram" or grad.ndim != 2):
+        raise ValueError("a distributed (reduce_gram) Newton-Schulz needs formulation='gram' and one 2D block")
     triples = resolve_coefficients(coefficients, ns_steps)
     dtype = dtype or default_ns_dtype(grad.device)
-    shape = tuple(full_shape) if full_shape is not None else tuple(grad.shape)
+    if grad.ndim == 3 and grad.shape[0] == 1:
+        kw = dict(ns_steps=ns_steps, coefficients=coefficients, eps=eps, dtype=dtype, formulation=formulation)
+        return zeropower_via_newtonschulz(grad[0], kernel=kernel, **kw).unsqueeze(0)
+    ops = NSOps(resolve_kernel(kernel, grad.device, dtype), dtype)
+    shape = tuple(full_shape) if full_shape is not None else tuple(grad.shape[-2:])
     x = grad.to(dtype)
     transposed = shape[0] > shape[1]
     if transposed:
-        x = x.T
+        x = x.mT
     cushion = _norm_cushion(coefficients)
-    if reduce_gram is not None:
-        if formulation != "gram":
-            raise ValueError("a distributed (reduce_gram) Newton-Schulz needs formulation='gram'")
-        gram = reduce_gram(x @ x.T)
-        scale = 1.0 / (gram.trace().sqrt() * cushion).clamp(min=eps)
-        x = x * scale
-        gram = gram * (scale * scale)
-    else:
-        x = x / (x.norm() * cushion).clamp(min=eps)
-        gram = x @ x.T
     if formulation == "direct":
-        for i, (a, b, c) in enumerate(triples):
-            if i:
-                gram = x @ x.T
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
-    elif formulation == "gram":
-        eye = torch.eye(gram.size(0), dtype=dtype, device=gram.device)
-        acc = None
-        for a, b, c in triples:
-            q = torch.addmm(gram, gram, gram, beta=b, alpha=c).add_(eye, alpha=a)
-            acc = q if acc is None else q @ acc
-            gram = q @ gram @ q
-        x = acc @ x
+        x = _direct(_normalize(x, cushion, eps), triples, ops)
     else:
-        raise ValueError(f"unknown NS formulation {formulation!r}: use 'direct' or 'gram'")
-    return x.T if transposed else x
+        x = _gram(x, triples, ops, cushion, eps, reduce_gram)
+    return x.mT if transposed else x
+
+
+def _normalize(x: torch.Tensor, cushion: float, eps: float) -> torch.Tensor:
+    """X / max(‖X‖_F·cushion, eps), per matrix of a stack."""
+    if x.ndim == 2:
+        return x / (x.norm() * cushion).clamp(min=eps)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    return x / (norm * cushion).clamp(min=eps)
+
+
+def _direct(x: torch.Tensor, triples: Sequence[tuple[float, float, float]], ops: NSOps) -> torch.Tensor:
+    """The direct iteration; with the torch kernel on one matrix, op for op torch.optim.Muon's."""
+    for a, b, c in triples:
+        gram = ops.syrk(x, out_dtype=x.dtype)
+        poly = ops.symm(gram, gram, alpha=c, beta=b, c=gram, out_dtype=x.dtype)
+        x = torch.addmm(x, poly, x, beta=a) if x.ndim == 2 else torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def _gram(
+    x: torch.Tensor,
+    triples: Sequence[tuple[float, float, float]],
+    ops: NSOps,
+    cushion: float,
+    eps: float,
+    reduce_gram: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """The Gram iteration in restart segments; s×s iterates in `state` precision, X ← P X per segment."""
+    state = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if reduce_gram is None:
+        x = _normalize(x, cushion, eps)
+        gram = ops.syrk(x, out_dtype=state)
+    else:  # distributed: the norm of the whole matrix is the root of the summed Gram's trace
+        gram = reduce_gram(ops.syrk(x, out_dtype=state))
+        scale = 1.0 / (gram.trace().sqrt() * cushion).clamp(min=eps)
+        x = x * scale.to(x.dtype)
+        gram = gram * (scale * scale)
+    restarts = set(gram_restarts(triples))
+    p = None
+    for i, (a, b, c) in enumerate(triples):
+        if i in restarts:
+            x = _apply(p, x)
+            gram = ops.syrk(x, out_dtype=state)
+            gram = reduce_gram(gram) if reduce_gram is not None else gram
+            p = None
+        q = ops.symm(gram, gram, alpha=c, beta=b, c=gram, gamma=a, out_dtype=state)  # aI + bA + cA²
+        p = q if p is None else ops.symm(q, p, out_dtype=state)
+        if i + 1 < len(triples) and i + 1 not in restarts:  # the next step iterates on Q A Q, a congruence
+            gram = ops.symm(ops.mm(q, gram, out_dtype=state), q, out_dtype=state)  # (Q·A unsymmetrized)
+    return _apply(p, x)
+
+
+def _apply(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """X ← P X, in X's dtype (a general product: torch's matmul on either kernel)."""
+    return torch.matmul(p.to(x.dtype), x)
+
+
+def batch_plan(
+    shapes: Sequence[Sequence[int]],
+    keys: Sequence[object] | None = None,
+    max_elements: int = NS_MAX_BATCH_ELEMENTS,
+) -> list[list[int]]:
+    """Indices of matrices to orthogonalize together: the same `keys` entry (the NS settings) and the same
+    shape up to transposition, in order of first appearance, split evenly into chunks of at most
+    `max_elements` elements (one matrix at least)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault((keys[i] if keys is not None else None, tuple(sorted(shape[-2:]))), []).append(i)
+    plan = []
+    for (_, (s, long)), idx in groups.items():
+        per = max(1, max_elements // max(1, s * long))
+        chunks = math.ceil(len(idx) / per)
+        bounds = [round(k * len(idx) / chunks) for k in range(chunks + 1)]
+        plan += [idx[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+    return plan
+
+
+def orthogonalize_stack(
+    mats: Sequence[torch.Tensor], *, dtype: torch.dtype | None = None, **ns_kwargs
+) -> list[torch.Tensor]:
+    """NS of matrices of one shape up to transposition, in one batched call: tall ones are stacked transposed
+    (NS transposes a tall matrix anyway) and handed back in their own orientation. `ns_kwargs` go to
+    `zeropower_via_newtonschulz`."""
+    if not mats:
+        return []
+    dtype = dtype or default_ns_dtype(mats[0].device)
+    if len(mats) == 1:
+        return [zeropower_via_newtonschulz(mats[0], dtype=dtype, **ns_kwargs)]
+    s, long = sorted(mats[0].shape)
+    if any(m.ndim != 2 or sorted(m.shape) != [s, long] for m in mats):
+        raise ValueError(
+            f"orthogonalize_stack needs matrices of one shape up to transposition, got {[tuple(m.shape) for m in mats]}"
+        )
+    tall = [m.shape[0] > m.shape[1] for m in mats]
+    stack = torch.empty(len(mats), s, long, dtype=dtype, device=mats[0].device)
+    for out, m, t in zip(stack, mats, tall, strict=True):
+        out.copy_(m.mT if t else m)
+    ortho = zeropower_via_newtonschulz(stack, dtype=dtype, **ns_kwargs)
+    return [o.mT if t else o for o, t in zip(ortho.unbind(0), tall, strict=True)]
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
@@ -131,20 +254,41 @@ def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
     return 2.0 * ns_steps * (2 * s * s * long + s * s * s)
 
 
-def get_ns_backend() -> str:
-    """Say which NS path runs here (handy in bug reports and when bringing up a new cluster)."""
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        return f"Direct NS · kernel=torch.matmul (cuBLAS, SM{cap[0]}{cap[1]}, bf16)"
-    return f"Direct NS · kernel=torch.matmul (CPU, fp32, {torch.get_num_threads()} threads)"
+def get_ns_backend(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    kernel: str = "auto",
+    formulation: str = "direct",
+) -> str:
+    """What NS runs as for these settings, e.g. "Gram NS · kernel=triton (sm90, bfloat16)" or "Direct NS ·
+    kernel=torch (cpu, float32)": the kernel "auto" resolves to here (DMUON_NS_KERNEL and the one-time check
+    included) and the NS dtype (default: the device's). `device` defaults to the current CUDA device, else CPU."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"unknown NS formulation {formulation!r}: use 'direct' or 'gram'")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    dtype = dtype or default_ns_dtype(device)
+    resolved = resolve_kernel(kernel, device, dtype)
+    where = "cpu" if device.type == "cpu" else device.type
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"sm{major}{minor}"
+    return f"{formulation.capitalize()} NS · kernel={resolved} ({where}, {str(dtype).removeprefix('torch.')})"
 
 
 __all__ = [
+    "FORMULATIONS",
+    "GRAM_RESTART_GAIN",
     "MUON_COEFFICIENTS",
+    "NS_MAX_BATCH_ELEMENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "batch_plan",
     "default_ns_dtype",
     "get_ns_backend",
+    "gram_restarts",
     "ns_flops",
+    "orthogonalize_stack",
     "resolve_coefficients",
     "zeropower_via_newtonschulz",
 ]

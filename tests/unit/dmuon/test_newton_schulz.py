@@ -267,8 +267,12 @@ def test_ns_steps_bounds_accepted():
 def test_errors():
     with pytest.raises(ValueError, match="2D"):
         zeropower_via_newtonschulz(torch.randn(5), ns_steps=5)
-    with pytest.raises(ValueError, match="2D"):
-        zeropower_via_newtonschulz(torch.randn(2, 3, 4), ns_steps=5)
+    with pytest.raises(ValueError, match="batch"):
+        zeropower_via_newtonschulz(torch.randn(2, 2, 3, 4), ns_steps=5)
+    with pytest.raises(ValueError, match="reduce_gram"):  # the distributed Gram takes one block, Gram formulation
+        zeropower_via_newtonschulz(torch.randn(4, 6), reduce_gram=lambda g: g)
+    with pytest.raises(ValueError, match="reduce_gram"):
+        zeropower_via_newtonschulz(torch.randn(2, 4, 6), formulation="gram", reduce_gram=lambda g: g)
     with pytest.raises(ValueError, match="nope"):
         zeropower_via_newtonschulz(torch.randn(4, 6), ns_steps=5, coefficients="nope")
     with pytest.raises(ValueError):
@@ -336,12 +340,18 @@ def test_ns_cost_is_half_ns_flops():
         assert ns_flops(shape, 5) == 2 * ns_cost(shape, 5)
 
 
-def test_get_ns_backend():
-    """Names the kernel and precision of the host's NS path, on either kind of host."""
-    b = get_ns_backend()
-    assert isinstance(b, str) and b.startswith("Direct NS · kernel=torch.matmul")
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        assert f"cuBLAS, SM{major}{minor}, bf16" in b and "CPU" not in b
+def test_get_ns_backend(monkeypatch):
+    """Names the formulation, the kernel that will actually run and the NS dtype, on either kind of host."""
+    monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
+    if not torch.cuda.is_available():
+        assert get_ns_backend() == "Direct NS · kernel=torch (cpu, float32)"
+        assert get_ns_backend("cpu", torch.bfloat16, formulation="gram") == "Gram NS · kernel=torch (cpu, bfloat16)"
     else:
-        assert f"CPU, fp32, {torch.get_num_threads()} threads" in b and "cuBLAS" not in b
+        major, minor = torch.cuda.get_device_capability()
+        b = get_ns_backend(formulation="gram")
+        assert b.startswith("Gram NS · kernel=") and b.endswith(f"(sm{major}{minor}, bfloat16)"), b
+    assert get_ns_backend("cpu", kernel="torch") == "Direct NS · kernel=torch (cpu, float32)"
+    with pytest.raises(ValueError, match="formulation"):
+        get_ns_backend(formulation="svd")
+    with pytest.raises(ValueError, match="kernel"):
+        get_ns_backend(kernel="cublas")
