@@ -226,7 +226,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/data/packing.py",
         "self.rows = [dp_rank + dp_world_size * i for i in",
         "self.rows = [dp_world_size * i for i in",
-        ("tests/unit/test_data.py",),
+        ("tests/unit/framework/test_data.py",),
         "every DP rank trains on the same windows: N x the compute for 1 x the data",
     ),
     Mutant(

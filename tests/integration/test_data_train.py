@@ -13,7 +13,7 @@ from tests.integration.test_train import assert_loss_falls, assert_same_run, tra
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from tests.unit.test_data_shards import prepare_data
+    from tests.unit.framework.test_data_shards import prepare_data
 
     folder = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from titan_dmuon.config import (
     validate_parallelism,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path, text, name="cfg.toml"):

@@ -103,10 +103,10 @@ def check_rank(rank: int) -> None:
 @pytest.mark.slow
 def test_global_index_of_fsdp_over_tp_shards():
     """Each rank in a fresh interpreter: torch caches meshes across process groups within one process."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", f"from tests.unit.test_init import check_rank; check_rank({rank})"],
+            [sys.executable, "-c", f"from tests.unit.framework.test_init import check_rank; check_rank({rank})"],
             cwd=repo,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from titan_dmuon.data import (
     stdlib_source,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "eta", "theta"]
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from titan_dmuon.data import (
 )
 from titan_dmuon.data.shards import check_vocab_fits
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 _spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
 prepare_data = sys.modules["prepare_data"] = importlib.util.module_from_spec(_spec)  # the pool pickles by name
 _spec.loader.exec_module(prepare_data)
