@@ -7,10 +7,11 @@ by the full matrix shape). The AdamW half is `torch.optim.AdamW`'s own functiona
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,17 @@ from torch.optim.adamw import adamw as _adamw_functional
 from . import replicate_axis as _replicate
 from . import tp as _tp
 from .comm import Work
-from .newton_schulz import Coefficients, default_ns_dtype, resolve_coefficients, zeropower_via_newtonschulz
+from .newton_schulz import (
+    FORMULATIONS,
+    NS_MAX_BATCH_ELEMENTS,
+    Coefficients,
+    batch_plan,
+    default_ns_dtype,
+    orthogonalize_stack,
+    resolve_coefficients,
+    zeropower_via_newtonschulz,
+)
+from .ns_ops import KERNELS
 from .state import state_of, unwrap
 
 _MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
@@ -44,6 +55,10 @@ class Muon(torch.optim.Optimizer):
     an optional list of `{"params": [...], **overrides}` dicts; each listed param takes those overrides
     (keys of its own kind), every other param the defaults. `model` may be wrapped in torch's
     DistributedDataParallel (after `dedicate_params_ddp`).
+
+    Newton-Schulz: `ns_formulation` "direct" or "gram", `kernel` "auto" | "triton" | "torch" for its
+    symmetric products (newton_schulz.py, ns_ops.py); an owner orthogonalizes its same-shape matrices (with the
+    same NS settings) as one batch, in chunks of at most `ns_max_batch_elements` elements.
     """
 
     def __init__(
@@ -65,6 +80,9 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
+        kernel: str = "auto",
+        ns_formulation: str = "direct",
+        ns_max_batch_elements: int = NS_MAX_BATCH_ELEMENTS,
     ):
         state = state_of(model, "dmuon.Muon")
         model = unwrap(model)
@@ -76,6 +94,15 @@ class Muon(torch.optim.Optimizer):
         _check_registered(model, state)
         adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
         resolve_coefficients(ns_coefficients, ns_steps)
+        if kernel not in KERNELS:
+            raise ValueError(f"dmuon.Muon: kernel must be one of {KERNELS}, got {kernel!r}")
+        if ns_formulation not in FORMULATIONS:
+            raise ValueError(f"dmuon.Muon: ns_formulation must be one of {FORMULATIONS}, got {ns_formulation!r}")
+        if ns_max_batch_elements < 1:
+            raise ValueError(f"dmuon.Muon: ns_max_batch_elements must be >= 1, got {ns_max_batch_elements}")
+        self.kernel = kernel
+        self.ns_formulation = ns_formulation
+        self.ns_max_batch_elements = ns_max_batch_elements
         self.model = model
         self._state = state
         self.ns_dtype = ns_dtype
@@ -137,37 +164,42 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_step(group)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         opts_of = {p: g for g in muon_groups for p in g["params"]}
-        for pgroup in st.groups:
+        owned: list[tuple] = []  # (group index, dp, opts) of this rank's whole (non-TP) matrices
+        tp_jobs_of: list[list] = []  # per group: the TP gathers in flight
+        for gi, pgroup in enumerate(st.groups):
             tp_jobs = []
             for dp in pgroup.params:
                 if not dp.is_owner or dp._reduced_grad is None:
                     continue
                 opts = opts_of[dp.param]
+                if dp.tp_group is None:  # momentum + NS below, batched with the same-shape matrices of every group
+                    owned.append((gi, dp, opts))
+                    continue
                 update = self._momentum(dp, opts)
-                if dp.tp_group is None:
-                    t0 = time.perf_counter()
-                    _apply_update(dp, self._orthogonalize(update, opts), opts)
-                    ns_time += time.perf_counter() - t0
-                    ns_calls += 1
-                elif self.tp_distributed_gram and _tp.gram_is_beneficial(dp):
+                if self.tp_distributed_gram and _tp.gram_is_beneficial(dp):
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
-                    _apply_update(dp, self._orthogonalize(update, opts, dp), opts)
+                    _apply_update(dp, self._orthogonalize([update], opts, dp)[0], opts)
                     ns_time += time.perf_counter() - t0
                     ns_calls += int(dp.is_tp_owner)
-                else:  # gather the update shards onto the TP owner (async, all of the group's at once)
+                else:  # gather the update shards onto the TP owner (async, all of the step's at once)
                     # the update may be applied after this step returns (async): snapshot this step's
                     # hyper-parameters now, before an lr scheduler changes the group
                     tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), dict(opts)))
-            for job, opts in tp_jobs:
-                full = job.full_update()
-                ortho = None
-                if full is not None:
-                    t0 = time.perf_counter()
-                    ortho = self._orthogonalize(full, opts)
-                    ns_time += time.perf_counter() - t0
-                    ns_calls += 1
-                job.scatter(ortho, like=job.dp._owned_data)
-            publish = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])
+            tp_jobs_of.append(tp_jobs)
+        # each group's publish goes out, in group order, as soon as its matrices are updated
+        publishes: list[Work] = []
+        per_group = collections.Counter(gi for gi, _, _ in owned)
+        publish_order = _InOrder(
+            [per_group[gi] for gi in range(len(st.groups))],
+            lambda g: publishes.append(
+                _replicate.publish(st.groups[g], [dp for dp in st.groups[g].params if dp.tp_group is None])
+            ),
+        )
+        calls, secs = self._update_owned(owned, lambda job: publish_order.done(job[0]))
+        ns_calls, ns_time = ns_calls + calls, ns_time + secs
+        calls, secs = self._orthogonalize_tp([job for jobs in tp_jobs_of for job in jobs])
+        ns_calls, ns_time = ns_calls + calls, ns_time + secs
+        for pgroup, tp_jobs, publish in zip(st.groups, tp_jobs_of, publishes, strict=True):
             # TP params wait for their scatter before the update, then publish: every rank of the owner's
             # column (owner or peer) runs this tail at the same point (the group's next wait_publish).
             tp_column = [dp for dp in pgroup.params if dp.tp_group is not None and dp.in_owner_column]
@@ -195,23 +227,74 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(grad, 1 - mu)
         return grad.lerp(buf, mu) if opts["nesterov"] else buf
 
-    def _orthogonalize(self, update: torch.Tensor, opts: dict, tp_gram_of=None) -> torch.Tensor:
-        """NS of a full matrix, or (TP distributed Gram) of this rank's block of `tp_gram_of`'s matrix."""
-        extra = {}
+    def _update_owned(self, owned: list[tuple], done: Callable[[tuple], None]) -> tuple[int, float]:
+        """Momentum, NS and the update of this rank's whole matrices: same-shape ones with the same NS settings
+        in one batched call (memory-bounded chunks); `done(job)` after each update. Returns (NS calls, seconds)."""
+        plan = batch_plan(
+            [dp._reduced_grad.shape for _, dp, _ in owned],
+            [_ns_key(opts) for _, _, opts in owned],
+            self.ns_max_batch_elements,
+        )
+        calls, secs = 0, 0.0
+        for chunk in plan:
+            jobs = [owned[i] for i in chunk]
+            updates = [self._momentum(dp, opts) for _, dp, opts in jobs]
+            t0 = time.perf_counter()
+            orthos = self._orthogonalize(updates, jobs[0][2])
+            secs += time.perf_counter() - t0
+            calls += len(jobs)
+            for job, ortho in zip(jobs, orthos, strict=True):
+                _apply_update(job[1], ortho, job[2])
+                done(job)
+        return calls, secs
+
+    def _orthogonalize_tp(self, jobs: list[tuple]) -> tuple[int, float]:
+        """Wait for the TP gathers; the TP owner orthogonalizes its full matrices (same-shape ones batched) and
+        every rank scatters, in job order (the same on every rank of a TP group). Returns (NS calls, seconds)."""
+        fulls = [job.full_update() for job, _ in jobs]
+        orthos: list[torch.Tensor | None] = [None] * len(jobs)
+
+        def scatter(i: int) -> None:
+            job = jobs[i][0]
+            job.scatter(orthos[i], like=job.dp._owned_data)
+            orthos[i] = None  # the scatter holds its own chunks
+
+        scatter_order = _InOrder([int(f is not None) for f in fulls], scatter)
+        mine = [i for i, f in enumerate(fulls) if f is not None]
+        plan = batch_plan(
+            [fulls[i].shape for i in mine], [_ns_key(jobs[i][1]) for i in mine], self.ns_max_batch_elements
+        )
+        calls, secs = 0, 0.0
+        for chunk in plan:
+            idx = [mine[k] for k in chunk]
+            t0 = time.perf_counter()
+            results = self._orthogonalize([fulls[i] for i in idx], jobs[idx[0]][1])
+            secs += time.perf_counter() - t0
+            calls += len(idx)
+            for i, ortho in zip(idx, results, strict=True):
+                orthos[i], fulls[i] = ortho, None
+                scatter_order.done(i)
+        return calls, secs
+
+    def _orthogonalize(self, updates: list[torch.Tensor], opts: dict, tp_gram_of=None) -> list[torch.Tensor]:
+        """NS of same-shape full matrices (one batched call), or (TP distributed Gram) of this rank's block of
+        `tp_gram_of`'s matrix."""
+        kwargs = dict(
+            ns_steps=opts["ns_steps"],
+            coefficients=opts["ns_coefficients"],
+            eps=opts["eps"],
+            dtype=self.ns_dtype or default_ns_dtype(updates[0].device),
+            formulation=self.ns_formulation,
+            kernel=self.kernel,
+        )
         if tp_gram_of is not None:
-            extra = dict(
+            kwargs.update(
                 formulation="gram",
                 full_shape=tp_gram_of.full_shape,
                 reduce_gram=functools.partial(_tp.all_reduce_gram, tp_gram_of, self._state.ledger),
             )
-        return zeropower_via_newtonschulz(
-            update,
-            ns_steps=opts["ns_steps"],
-            coefficients=opts["ns_coefficients"],
-            eps=opts["eps"],
-            dtype=self.ns_dtype or default_ns_dtype(update.device),
-            **extra,
-        )
+            return [zeropower_via_newtonschulz(updates[0], **kwargs)]
+        return orthogonalize_stack(updates, **kwargs)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -247,6 +330,33 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _ns_key(opts: dict) -> tuple:
+    """The NS settings of a param group: matrices batch together only when these agree."""
+    coefficients = opts["ns_coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(resolve_coefficients(coefficients, opts["ns_steps"]))
+    return opts["ns_steps"], coefficients, opts["eps"]
+
+
+class _InOrder:
+    """Calls `release(i)` for i = 0, 1, ... in order, each once item i and every item before it have no work
+    `remaining`: collectives (publishes, scatters) go out in the same order on every rank, whatever order
+    this rank's batched NS finished them in."""
+
+    def __init__(self, remaining: list[int], release: Callable[[int], None]):
+        self.remaining, self.release, self.next = list(remaining), release, 0
+        self._flush()
+
+    def done(self, i: int) -> None:
+        self.remaining[i] -= 1
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.next < len(self.remaining) and self.remaining[self.next] == 0:
+            self.release(self.next)
+            self.next += 1
 
 
 def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
