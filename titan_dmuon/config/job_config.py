@@ -75,6 +75,14 @@ class MuonConfig:
     """
     ns_dtype: Literal["", "float32", "bfloat16"] = ""
     """Newton-Schulz precision; empty keeps the library default (float32 on CPU, bfloat16 on CUDA)."""
+    ns_formulation: Literal["direct", "gram"] = "direct"
+    """Newton-Schulz formulation: "direct" (torch.optim.Muon's iteration on the matrix) or "gram" (the same
+    polynomial on the short-side Gram matrix, with restarts: fewer FLOPs for rectangular matrices).
+    """
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    """Who runs Newton-Schulz's symmetric products: "auto" = Triton on CUDA when it imports and passes a one-time
+    numerical check, else torch (the DMUON_NS_KERNEL environment variable overrides "auto"); "triton"; "torch".
+    """
 
 
 @dataclass

@@ -62,6 +62,8 @@ def muon_options(cfg: JobConfig) -> dict[str, Any]:
         adamw_eps=a.eps,
         adamw_weight_decay=a.weight_decay,
         ns_dtype=NS_DTYPES[m.ns_dtype],
+        ns_formulation=m.ns_formulation,
+        kernel=m.kernel,
     )
 
 

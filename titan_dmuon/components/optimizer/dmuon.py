@@ -7,6 +7,7 @@ allocate and fill its fp32 masters; every later call goes through dmuon's public
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +20,8 @@ from .base import OptimizerComponent, muon_options, register_optimizer
 
 if TYPE_CHECKING:
     from titan_dmuon.parallel import ParallelDims
+
+logger = logging.getLogger(__name__)
 
 
 def _axis_of(kind: str) -> str:
@@ -65,6 +68,9 @@ class DMuon(OptimizerComponent):
             replicate_async=d.replicate_async,
             tp_distributed_gram=d.tp_distributed_gram,
         )
+        opt = self.optimizer  # what NS will run as, once at start-up (the kernel "auto" resolves to, the dtype)
+        device = next(self.model.parameters()).device
+        logger.info("DMuon: %s", dmuon.get_ns_backend(device, opt.ns_dtype, opt.kernel, opt.ns_formulation))
         return self.optimizer
 
     def no_sync(self):

@@ -50,6 +50,8 @@ class NaiveMuon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         ns_dtype: torch.dtype | None = None,
+        ns_formulation: str = "direct",
+        kernel: str = "auto",
     ):
         adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
         muon = dict(
@@ -69,6 +71,8 @@ class NaiveMuon(torch.optim.Optimizer):
         groups = [{"params": list(ps), **opts} for ps, opts in ((adamw_params, adamw), (muon_params, muon)) if ps]
         super().__init__(groups, {})
         self.ns_dtype = ns_dtype
+        self.ns_formulation = ns_formulation  # the same NS as dmuon.Muon's for the same options
+        self.kernel = kernel
         self.last_step_stats: dict[str, float] = {}
 
     @torch.no_grad()
@@ -109,6 +113,8 @@ class NaiveMuon(torch.optim.Optimizer):
             coefficients=opts["ns_coefficients"],
             eps=opts["eps"],
             dtype=self.ns_dtype or default_ns_dtype(update.device),
+            formulation=self.ns_formulation,
+            kernel=self.kernel,
         )
         stats["ns_time_s"] += time.perf_counter() - t0
         stats["ns_calls"] += 1
