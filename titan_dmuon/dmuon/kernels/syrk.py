@@ -93,19 +93,24 @@ def _products_kernel(
     alpha,
     beta,
     gamma,
+    tiles,
     SYMMETRIC: tl.constexpr,
     HAS_C: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # one 1D grid over (matrix, tile): no per-dimension grid limit on the batch
+    pid = tl.program_id(0)
+    batch = (pid // tiles).to(tl.int64)
+    tile = pid % tiles
     if SYMMETRIC:
-        ti, tj = _lower_tile(tl.program_id(0))
+        ti, tj = _lower_tile(tile)
     else:
-        tiles = (n + BLOCK - 1) // BLOCK
-        ti, tj = tl.program_id(0) // tiles, tl.program_id(0) % tiles
-    batch = tl.program_id(1).to(tl.int64)
+        per_row = (n + BLOCK - 1) // BLOCK
+        ti, tj = tile // per_row, tile % per_row
     rows = ti * BLOCK + tl.arange(0, BLOCK)
     cols = tj * BLOCK + tl.arange(0, BLOCK)
     ks = tl.arange(0, BLOCK_K)
@@ -133,13 +138,14 @@ def _products_kernel(
         acc += tl.where(rows[:, None] == cols[None, :], gamma, 0.0)
         if SYMMETRIC:  # mirror the diagonal tile's lower half: OUT is exactly symmetric
             acc = tl.where(rows[:, None] < cols[None, :], tl.trans(acc), acc)
-    if UPCAST and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _round_bits(acc, 16)  # the interpreter's cast would truncate
+    if ROUND_OUT:  # a bf16 result in the interpreter, whose cast would truncate
+        acc = _round_bits(acc, 16)
     out = acc.to(out_ptr.dtype.element_ty)
     o_base = out_ptr + batch * s_ob
     tl.store(o_base + rows[:, None] * s_on + cols[None, :] * s_om, out, mask=inside)
-    if SYMMETRIC and ti != tj:
-        tl.store(o_base + cols[:, None] * s_on + rows[None, :] * s_om, tl.trans(out), mask=tl.trans(inside))
+    if SYMMETRIC:
+        if ti != tj:
+            tl.store(o_base + cols[:, None] * s_on + rows[None, :] * s_om, tl.trans(out), mask=tl.trans(inside))
 
 
 def _blocks(precision: str) -> tuple[int, int, int, int]:
@@ -194,9 +200,10 @@ def sym_matmul(
     if batch == 0 or n == 0:
         return out.squeeze(0) if squeeze else out
     block, block_k, warps, stages = _blocks(precision)
-    tiles = triton.cdiv(n, block)
+    per_row = triton.cdiv(n, block)
+    tiles = per_row * (per_row + 1) // 2 if symmetric else per_row * per_row
     cc = c if c is not None else out  # never read without HAS_C
-    _products_kernel[(tiles * (tiles + 1) // 2 if symmetric else tiles * tiles, batch)](
+    _products_kernel[(batch * tiles,)](
         a,
         b,
         cc,
@@ -210,10 +217,12 @@ def sym_matmul(
         float(alpha),
         float(beta),
         float(gamma),
+        tiles,
         SYMMETRIC=symmetric,
         HAS_C=c is not None,
         PRECISION=precision,
         UPCAST=INTERPRETED,
+        ROUND_OUT=INTERPRETED and out.dtype == torch.bfloat16,
         BLOCK=block,
         BLOCK_K=block_k,
         num_warps=warps,

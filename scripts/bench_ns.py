@@ -1,0 +1,168 @@
+"""Newton-Schulz time per matrix shape: direct vs Gram, one by one vs batched, torch vs Triton kernels.
+
+For each distinct Muon matrix shape of Llama-3 8B and 70B (up to transposition: wq/wo, wk/wv, the FFN's
+w1/w3/w2ᵀ) it times `--batch` matrices of that shape orthogonalized one by one (one NS call each) and as one
+batched call (`orthogonalize_stack`, what an owner does with its same-shape matrices), in each formulation
+("direct", "gram") and with each kernel that can run here ("torch"; "triton" on CUDA). Every configuration of
+a shape runs once per round, round-robin, after a warm-up round; the time is the median over `--repeats`
+rounds, per matrix. TFLOP/s counts the direct formulation's matmul FLOPs (newton_schulz.ns_flops) for every
+row, so a Gram row shows its saving as a higher rate.
+
+On CUDA the shapes are the real ones and NS runs in bf16; on CPU (fp32) they are divided by `--scale`
+(default 16, so that the default run takes about a minute on two cores), and the Triton rows are left out:
+Triton needs a GPU (its interpreter is for tests, not timing).
+
+    python3 scripts/bench_ns.py                          # CPU: scaled shapes, batch 4, torch rows
+    python3 scripts/bench_ns.py --scale 1 --repeats 1    # CPU: the real shapes (minutes per shape)
+    python3 scripts/bench_ns.py --models 8B --batch 8    # on a GPU: real shapes, torch and Triton
+
+Prints a table and one summary line `bench_ns ...: speed-up of gram over direct Ax, of batched over one-by-one Bx,
+of triton over torch Cx` (time of the first over time of the second, summed over every shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from titan_dmuon.dmuon.newton_schulz import (  # noqa: E402
+    default_ns_dtype,
+    ns_flops,
+    orthogonalize_stack,
+    zeropower_via_newtonschulz,
+)
+from titan_dmuon.dmuon.ns_ops import triton_unusable  # noqa: E402
+
+# (short, long) of each distinct Muon matrix of a Llama-3 block: dim, kv width (8 heads x 128), ffn hidden
+LLAMA3 = {
+    "8B": {"wq/wo": (4096, 4096), "wk/wv": (1024, 4096), "w1/w3/w2": (4096, 14336)},
+    "70B": {"wq/wo": (8192, 8192), "wk/wv": (1024, 8192), "w1/w3/w2": (8192, 28672)},
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_shape(shape, args, device, dtype, kernels) -> list[dict]:
+    """Every (formulation, kernel, mode) row for `args.batch` matrices of `shape`: each configuration warmed up
+    once, then timed `args.repeats` times round-robin (so load drifting during the run hits them alike); the
+    median, per matrix."""
+    g = torch.Generator(device=device).manual_seed(0)
+    mats = [torch.randn(*shape, generator=g, device=device) for _ in range(args.batch)]
+    kw = dict(ns_steps=args.ns_steps, coefficients=args.coefficients, dtype=dtype)
+    configs = {}
+    for formulation in ("direct", "gram"):
+        for kernel in kernels:
+            opts = dict(kw, formulation=formulation, kernel=kernel)
+            configs[(formulation, kernel, "one-by-one")] = lambda o=opts: [
+                zeropower_via_newtonschulz(m, **o) for m in mats
+            ]
+            configs[(formulation, kernel, "batched")] = lambda o=opts: orthogonalize_stack(mats, **o)
+    times: dict[tuple, list[float]] = {key: [] for key in configs}
+    for rep in range(args.repeats + 1):
+        for key, fn in configs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if rep:  # the first round is the warm-up
+                times[key].append(time.perf_counter() - t0)
+    rows = []
+    for (formulation, kernel, mode), ts in times.items():
+        seconds = statistics.median(ts) / len(mats)
+        rows.append(
+            dict(
+                shape=shape,
+                formulation=formulation,
+                kernel=kernel,
+                mode=mode,
+                ms=seconds * 1e3,
+                tflops=ns_flops(shape, args.ns_steps) / seconds / 1e12,
+            )
+        )
+    return rows
+
+
+def ratio(rows: list[dict], key: str, slow: str, fast: str) -> float | None:
+    """Total time of the `slow` rows over the `fast` rows, over the cells (shape and the other two keys) that
+    have both."""
+    others = [k for k in ("formulation", "kernel", "mode") if k != key]
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        cells.setdefault((r["shape"], *(r[k] for k in others)), {})[r[key]] = r["ms"]
+    pairs = [(c[slow], c[fast]) for c in cells.values() if slow in c and fast in c]
+    return sum(s for s, _ in pairs) / sum(f for _, f in pairs) if pairs else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(LLAMA3), choices=list(LLAMA3), help="Llama-3 sizes")
+    p.add_argument("--batch", type=int, default=4, help="same-shape matrices per measurement (default 4)")
+    p.add_argument("--scale", type=int, default=0, help="divide every shape by this (default: 1 on CUDA, 16 on CPU)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up round (median)")
+    p.add_argument("--ns-steps", type=int, default=5)
+    p.add_argument("--coefficients", default="polar_express", choices=("polar_express", "muon"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="NS dtype (default: device's)")
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.repeats < 1 or args.scale < 0:
+        p.error("--batch and --repeats must be >= 1, --scale >= 0")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_ns_dtype(device)
+    scale = args.scale or (1 if device.type == "cuda" else 16)
+    why = triton_unusable(device, dtype) if device.type == "cuda" else "Triton needs a GPU"
+    kernels = ["torch"] + ([] if why else ["triton"])
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(
+        f"bench_ns: {where}, NS in {str(dtype).removeprefix('torch.')}, {args.ns_steps} steps "
+        f"({args.coefficients}), batches of {args.batch}, median of {args.repeats} rounds after a warm-up; "
+        f"Llama-3 shapes{f' / {scale}' if scale > 1 else ''}; 1-min load {os.getloadavg()[0]:.2f}"
+    )
+    if why:
+        print(f"Triton rows left out: {why}")
+    header = f"{'model':<6}{'matrix':<10}{'shape':>13} {'formulation':<12}{'kernel':<8}{'mode':<11}"
+    print(header + f"{'ms/matrix':>11}{'TFLOP/s':>9}")
+    rows, t0 = [], time.perf_counter()
+    for model in args.models:
+        for name, (s, long) in LLAMA3[model].items():
+            shape = (max(1, s // scale), max(1, long // scale))
+            for r in bench_shape(shape, args, device, dtype, kernels):
+                rows.append(r)
+                print(
+                    f"{model:<6}{name:<10}{f'{shape[0]}x{shape[1]}':>13} {r['formulation']:<12}{r['kernel']:<8}"
+                    f"{r['mode']:<11}{r['ms']:11.2f}{r['tflops']:9.3f}",
+                    flush=True,
+                )
+    parts = []
+    for label, key, slow, fast in (
+        ("speed-up of gram over direct", "formulation", "direct", "gram"),
+        ("of batched over one-by-one", "mode", "one-by-one", "batched"),
+        ("of triton over torch", "kernel", "torch", "triton"),
+    ):
+        r = ratio(rows, key, slow, fast)
+        parts.append(f"{label} {r:.2f}x" if r is not None else f"{label} n/a ({why})")
+    print(
+        f"bench_ns {'+'.join(args.models)} {device.type} {str(dtype).removeprefix('torch.')}: "
+        + ", ".join(parts)
+        + f" ({time.perf_counter() - t0:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
