@@ -5,26 +5,18 @@ prints the same measurements (and the loader's throughput)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
+
+from tests._scripts import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _script(name: str):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_start_up_does_not_grow_with_the_corpus(tmp_path) -> None:
-    bench, prepare_data = _script("bench_data"), _script("prepare_data")
+    bench, prepare_data = load_script("bench_data"), load_script("prepare_data")
     shape = {"local_batch_size": 8, "seq_len": 128, "seed": 0}
     measured = {}
     for docs in (1000, 1_000_000):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._scripts import load_script
 from titan_dmuon.data import (
     ByteTokenizer,
     DataError,
@@ -78,11 +78,7 @@ def test_byte_tokenizer_round_trip() -> None:
 
 
 def _train_tokenizer(tmp_path, jsonl_folder) -> str:
-    spec = importlib.util.spec_from_file_location(
-        "train_tokenizer", os.path.join(REPO, "scripts", "train_tokenizer.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("train_tokenizer")
     return module.train_tokenizer(
         dataset="jsonl", dataset_path=str(jsonl_folder), vocab_size=300, max_docs=200, output=str(tmp_path) + os.sep
     )

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import filecmp
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests._scripts import load_script
 from titan_dmuon.data import (
     ByteTokenizer,
     DataError,
@@ -29,9 +28,7 @@ from titan_dmuon.data import (
 from titan_dmuon.data.shards import check_vocab_fits
 
 REPO = str(Path(__file__).resolve().parents[3])
-_spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
-prepare_data = sys.modules["prepare_data"] = importlib.util.module_from_spec(_spec)  # the pool pickles by name
-_spec.loader.exec_module(prepare_data)
+prepare_data = load_script("prepare_data")  # the pool pickles its workers by module name
 
 
 @pytest.fixture(scope="module")
