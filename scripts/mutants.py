@@ -183,8 +183,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hsdp-publish-skipped",
         "titan_dmuon/dmuon/muon.py",
-        "publish = _replicate.publish(pgroup, [dp for dp in pgroup.params if dp.tp_group is None])",
-        "publish = _replicate.publish(pgroup, [])",
+        "_replicate.publish(st.groups[g], [dp for dp in st.groups[g].params if dp.tp_group is None])",
+        "_replicate.publish(st.groups[g], [])",
         ("tests/distributed/test_dmuon_hsdp_ddp.py",),
         "HSDP/DDP: only the owner's replica sees the update; the other replicas train on stale weights",
     ),
