@@ -42,6 +42,7 @@ from titan_dmuon import dmuon
 from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
 from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.parallel.layout import describe_layout
 from titan_dmuon.parallel.parallelize import DTYPES
@@ -341,7 +342,8 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
         p_col[dp.owner_shard] += dp.numel
     e_buf = dps[0].group.dtype.itemsize if dps else e_param
     gram = cfg.optimizer.dmuon.tp_distributed_gram
-    ns_dtype_bytes = {"": 2, "float32": 4, "bfloat16": 2}[cfg.optimizer.muon.ns_dtype]  # "": the CUDA default
+    mc = cfg.optimizer.muon  # the distributed Gram all-reduces one fp32 s×s Gram per restart segment of its NS
+    gram_segments = 1 + len(gram_restarts(resolve_coefficients(mc.ns_coefficients, mc.ns_steps)))
     for dp in dps:  # each rank of a group records every broadcast/reduce segment of the shard group
         e = dp.group.dtype.itemsize
         if N > 1:
@@ -360,8 +362,8 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
             m, n = dp.full_shape
             if gram and dp.shard_dim == (0 if m > n else 1 if n > m else -1):
                 s = min(m, n)
-                elements["tp_gram"][owners] += 2 * frac(T) * s * s
-                nbytes["tp_gram"][owners] += 2 * frac(T) * s * s * ns_dtype_bytes
+                elements["tp_gram"][owners] += 2 * frac(T) * s * s * gram_segments
+                nbytes["tp_gram"][owners] += 2 * frac(T) * s * s * gram_segments * 4
             else:
                 full = dp.numel * T
                 for k in ("tp_gather", "tp_scatter"):
