@@ -297,39 +297,7 @@ class Muon(torch.optim.Optimizer):
         return orthogonalize_stack(updates, **kwargs)
 
     def _adamw_step(self, group: dict) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
-        beta1, beta2 = group["betas"]
-        _adamw_functional(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            foreach=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        adamw_step(group, self.state)
 
 
 def _ns_key(opts: dict) -> tuple:
@@ -357,6 +325,44 @@ class _InOrder:
         while self.next < len(self.remaining) and self.remaining[self.next] == 0:
             self.release(self.next)
             self.next += 1
+
+
+def adamw_step(group: dict, states) -> None:
+    """torch.optim.AdamW's own foreach kernel on one param group (`states`: the optimizer's per-param state);
+    shared by every optimizer here that runs AdamW beside Muon."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        state = states[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        steps.append(state["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    _adamw_functional(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        foreach=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
 
 
 def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:

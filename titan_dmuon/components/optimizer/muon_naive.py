@@ -15,9 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim.adamw import adamw as _adamw_functional
 
-from titan_dmuon.dmuon.muon import adjusted_lr
+from titan_dmuon.dmuon.muon import adamw_step, adjusted_lr
 from titan_dmuon.dmuon.newton_schulz import Coefficients, default_ns_dtype, zeropower_via_newtonschulz
 
 from .base import OptimizerComponent, muon_options, register_optimizer
@@ -125,39 +124,7 @@ class NaiveMuon(torch.optim.Optimizer):
         local.add_(ortho.to(local.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], p.shape))
 
     def _adamw_step(self, group: dict) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
-        beta1, beta2 = group["betas"]
-        _adamw_functional(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            foreach=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        adamw_step(group, self.state)
 
 
 @register_optimizer
