@@ -61,14 +61,6 @@ def get_peak_flops(device: torch.device | str) -> float | None:
     return flops
 
 
-def num_flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the matmuls of fwd+bwd plus 12*L*H*Q*T for attention scores.
-
-    Pass N without the embedding table (a lookup, not a matmul), as torchtitan does.
-    """
-    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
-
-
 def throughput_metrics(
     tokens: int, seconds: float, flops_per_token: int, peak_flops: float | None = None
 ) -> dict[str, float]:

@@ -10,7 +10,6 @@ from titan_dmuon.metrics import (
     MetricsLogger,
     device_memory_stats,
     get_peak_flops,
-    num_flops_per_token,
     peak_flops_for_name,
     throughput_metrics,
 )
@@ -91,8 +90,6 @@ def test_non_zero_rank_and_disabled_tensorboard_write_nothing(tmp_path, caplog):
 
 
 def test_flops_helpers():
-    # 6N + 12 L H Q T
-    assert num_flops_per_token(1000, 2, 4, 8, 16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
     assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_for_name("NVIDIA H200") == 989e12
     assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12
