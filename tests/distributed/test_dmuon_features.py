@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import run_distributed
-from tests.dmuon_harness import merge_momentum, owner_momentum
+from tests.dmuon_harness import HP, merge_momentum, owner_momentum
 from tests.reference import (
     assert_rel_close,
     fp32_torch_muon,
@@ -27,15 +27,6 @@ BF16_LOSS_RTOL = 3e-3
 BF16_NORM_RTOL = 3e-3
 BF16_MOMENTUM_RTOL = 2e-2
 BF16_UPDATE_RTOL = 6e-2
-HP = dict(
-    lr=0.02,
-    momentum=0.95,
-    weight_decay=0.1,
-    adamw_lr=1e-3,
-    adamw_betas=(0.9, 0.95),
-    adamw_eps=1e-8,
-    adamw_weight_decay=0.01,
-)
 
 
 def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z3=True):
