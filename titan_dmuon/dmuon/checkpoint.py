@@ -1,8 +1,20 @@
-"""Full, FQN-keyed model and optimizer state dicts (keys as a plain `model.state_dict()`).
+"""DMuon's model and optimizer state dicts, keyed by FQN (keys as a plain `model.state_dict()`).
 
-Getters drain pending async publishes first, then assemble full tensors on every rank: a dedicated
-matrix comes from its owner (broadcast), an FSDP2/TP DTensor through `full_tensor()`. Setters take
-the same full dicts and keep only what each rank holds.
+Two kinds (docs/dmuon.md, "Checkpoints"):
+
+- Sharded (`get_sharded_*` / `set_sharded_*`): what `torch.distributed.checkpoint` (DCP) saves and loads. Each
+  rank holds only its share, aliasing live storage: a dedicated matrix's fp32 master on the ranks that keep
+  it (its owner's shard column), its momentum on its global owner, a TP-sharded one as a DTensor over its TP
+  mesh, FSDP2/TP params and their AdamW moments as DTensors. DCP writes each key once (its planner
+  de-duplicates identical keys) and, on load, each rank's dict asks for what that rank holds under the NEW
+  ownership: any topology loads any other, and no rank reads more than its share plus whole matrices it owns.
+  Nothing is gathered.
+- Full (`get_*` / `set_*`): full tensors, for a single-file checkpoint or a look at the weights. Getters
+  assemble each full tensor from its holders (one at a time), on every rank or on rank 0 only
+  (`rank0_only`), optionally moved to CPU (`cpu_offload`); setters take the same full dicts (CPU tensors
+  too) and keep only what each rank holds.
+
+Both drain pending async publishes first (a publish writes into the column peers' masters).
 """
 
 from __future__ import annotations
@@ -15,8 +27,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import tp as _tp
-from .param import DedicatedParam
-from .state import state_of, unwrap
+from .muon import init_adamw_state
+from .param import DedicatedParam, local_of
+from .state import DMuonState, state_of, unwrap
+
+
+def _comm_device(state: DMuonState) -> torch.device:
+    """The device DMuon's collectives run on: its params' (CUDA under NCCL, where a CPU tensor would fail)."""
+    return state.groups[0].device
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -43,31 +61,48 @@ def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None, *, on_
 
 def _local_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if isinstance(like, DTensor):
-        return distribute_tensor(full.detach().to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+        full = full.detach().to(dtype=like.dtype, device=like.device)
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return full.detach().to(dtype=like.dtype, device=like.device)
 
 
-def get_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+class _Emit:
+    """Where a full getter's tensors go: kept on every rank or on rank 0 only, on their device or on CPU."""
+
+    def __init__(self, rank0_only: bool, cpu_offload: bool):
+        self.keep = not rank0_only or dist.get_rank() == 0
+        self.cpu_offload = cpu_offload
+
+    def __call__(self, value: Any) -> Any:
+        if self.cpu_offload and isinstance(value, torch.Tensor):
+            return value.cpu()
+        return value
+
+
+def get_model_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, Any]:
+    """Full fp32 weights by FQN on every rank (`rank0_only`: on rank 0, `{}` elsewhere; `cpu_offload`: as CPU
+    tensors, moved one at a time). Every rank must call it (it runs collectives)."""
     state = state_of(model, "get_model_state_dict")
     model = unwrap(model)
     state.drain_publish()
+    emit = _Emit(rank0_only, cpu_offload)
     out: dict[str, torch.Tensor] = {}
     for fqn, t in model.state_dict(keep_vars=True).items():
         dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
-        out[fqn] = _owner_tensor(state, dp, dp._owned_data, on_column=True) if dp is not None else _full(t)
+        full = _owner_tensor(state, dp, dp._owned_data, on_column=True) if dp is not None else _full(t)
+        if emit.keep:
+            out[fqn] = emit(full)
     return out
 
 
 def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
+    """Load full weights (as `get_model_state_dict` returns them, on any device) on every rank."""
     state = state_of(model, "set_model_state_dict")
     model = unwrap(model)
     state.drain_publish()
     state.reshard_all()
     current = model.state_dict(keep_vars=True)
-    missing = sorted(set(current) - set(sd))
-    unexpected = sorted(set(sd) - set(current))
-    if missing or unexpected:
-        raise KeyError(f"set_model_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    _check_keys("set_model_state_dict", set(current), set(sd))
     with torch.no_grad():
         for fqn, t in current.items():
             full = sd[fqn]
@@ -79,24 +114,30 @@ def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
             dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
             if dp is not None:
                 if dp.in_owner_column:
-                    dp._owned_data.copy_(_tp.shard_of_full(full, dp))
-                if dp.group.live and dp._owned_data.data_ptr() != dp.local.data_ptr():
-                    dp.local.data.copy_(dp._owned_data)
+                    dp._owned_data.copy_(_tp.shard_of_full(full.to(dp._owned_data.device), dp))
+                _refresh_live(dp)
             elif isinstance(t, DTensor):
                 t.to_local().copy_(_local_like(full, t).to_local())
             else:
                 t.copy_(full)
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def get_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False, cpu_offload: bool = False
+) -> dict[str, Any]:
+    """Full optimizer state `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}` on every
+    rank (`rank0_only`: on rank 0, `{}` elsewhere; `cpu_offload`: CPU tensors). Every rank must call it."""
     state = state_of(model, "get_optimizer_state_dict")
     model = unwrap(model)
     state.drain_publish()
+    emit = _Emit(rank0_only, cpu_offload)
     names = {p: n for n, p in model.named_parameters()}
-    # which dedicated params have a momentum buffer yet (it lives on the owners only): one all-reduce
+    # which dedicated params have a momentum buffer yet (it lives on the owners only): one all-reduce, on the
+    # device DMuon's collectives use
     has = torch.tensor(
         [int(dp.is_owner and "momentum_buffer" in optimizer.state.get(dp.param, {})) for dp in state.dparams],
         dtype=torch.int64,
+        device=_comm_device(state),
     )
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
     has_momentum = {dp.param for dp, h in zip(state.dparams, has.tolist(), strict=True) if h}
@@ -111,33 +152,31 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
             if dp is not None:
                 if p in has_momentum:
                     buf = optimizer.state[p]["momentum_buffer"] if dp.is_owner else None
-                    out_state[fqn] = {"momentum_buffer": _owner_tensor(state, dp, buf, on_column=False)}
+                    full = _owner_tensor(state, dp, buf, on_column=False)
+                    if emit.keep:
+                        out_state[fqn] = {"momentum_buffer": emit(full)}
             elif optimizer.state.get(p):
-                out_state[fqn] = {
+                entry = {
                     k: _full(v)
                     if isinstance(v, torch.Tensor) and v.ndim > 0
                     else (v.clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in optimizer.state[p].items()
                 }
+                if emit.keep:
+                    out_state[fqn] = {k: emit(v) for k, v in entry.items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    if not emit.keep:
+        return {}
     return {"state": out_state, "param_groups": groups}
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load a full optimizer state (as `get_optimizer_state_dict` returns it, on any device) on every rank."""
     state = state_of(model, "set_optimizer_state_dict")
     model = unwrap(model)
     state.drain_publish()
     params = dict(model.named_parameters())
-    if len(sd["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(
-            f"set_optimizer_state_dict: the checkpoint has {len(sd['param_groups'])} param groups, "
-            f"the optimizer {len(optimizer.param_groups)}"
-        )
-    for group, saved in zip(optimizer.param_groups, sd["param_groups"], strict=True):
-        mine = [n for n, p in params.items() if any(p is q for q in group["params"])]
-        if sorted(mine) != sorted(saved["params"]):
-            raise ValueError("set_optimizer_state_dict: param groups differ from the checkpoint's")
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    _load_param_groups("set_optimizer_state_dict", params, optimizer, sd["param_groups"])
     optimizer.state.clear()
     for fqn, entry in sd["state"].items():
         p = params[fqn]
@@ -155,3 +194,169 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             )
             for k, v in entry.items()
         }
+
+
+# ---- sharded (DCP) state ------------------------------------------------------------------------------------
+def get_sharded_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's share of the weights, by FQN, aliasing live storage (no collective, nothing gathered).
+
+    A dedicated matrix is its fp32 master, present only on the ranks that keep one (its owner's shard column:
+    under HSDP one rank per replicate row, under DDP every rank; DCP writes it once), as a DTensor over its TP
+    mesh when TP-shards it; FSDP2/TP params are their sharded DTensors; the rest (DDP-replicated params,
+    buffers) plain tensors on every rank."""
+    state = state_of(model, "get_sharded_model_state_dict")
+    module = unwrap(model)
+    state.drain_publish()
+    out: dict[str, torch.Tensor] = {}
+    for fqn, t in module.state_dict(keep_vars=True).items():
+        dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
+        if dp is None:
+            out[fqn] = t.detach()
+        elif dp.in_owner_column:
+            out[fqn] = _tp_view(dp, dp._owned_data)
+    return out
+
+
+def set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """After `dcp.load` filled `get_sharded_model_state_dict`'s dict (or any dict of that layout): copy what
+    does not alias live storage, refresh the derived copies (DDP's live params; the packed buffers are
+    re-filled from the masters at the next forward)."""
+    state = state_of(model, "set_sharded_model_state_dict")
+    module = unwrap(model)
+    state.drain_publish()
+    state.reshard_all()
+    current = module.state_dict(keep_vars=True)
+    held = {
+        fqn
+        for fqn, t in current.items()
+        if not (isinstance(t, nn.Parameter) and t in state.by_param and not state.by_param[t].in_owner_column)
+    }
+    _check_keys("set_sharded_model_state_dict", held, set(sd))
+    with torch.no_grad():
+        for fqn, t in current.items():
+            dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
+            if dp is not None:
+                if dp.in_owner_column:
+                    _copy_local(dp._owned_data, sd[fqn], fqn)
+                _refresh_live(dp)
+            else:
+                _copy_local(local_of(t), sd[fqn], fqn)
+
+
+def get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's share of `optimizer`'s state, by param FQN, aliasing the live state (no collective).
+
+    `{"state": {fqn: {...}}, "param_groups": [{kind, lr, ..., "params": [fqn, ...]}, ...]}`: a dedicated
+    matrix's `momentum_buffer` only on its global owner (a DTensor over its TP mesh when TP-shards it); AdamW's
+    `step`, `exp_avg`, `exp_avg_sq` of every other param (DTensors for FSDP2/TP params) on every rank that holds
+    the param. State the optimizer would create lazily at its first step is created now (zeros), so the dict
+    of a fresh optimizer is a complete load template."""
+    state = state_of(model, "get_sharded_optimizer_state_dict")
+    module = unwrap(model)
+    state.drain_publish()
+    _init_optimizer_state(state, optimizer)
+    names = {p: n for n, p in module.named_parameters()}
+    out: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            dp = state.by_param.get(p)
+            if dp is None:
+                out[names[p]] = dict(optimizer.state[p])
+            elif dp.is_owner:
+                out[names[p]] = {"momentum_buffer": _tp_view(dp, optimizer.state[p]["momentum_buffer"])}
+    return {"state": out, "param_groups": _param_groups(names, optimizer)}
+
+
+def set_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """After `dcp.load` filled `get_sharded_optimizer_state_dict`'s dict (or any dict of that layout): the
+    hyper-parameters of each param group, and every state tensor that does not alias the live one."""
+    state = state_of(model, "set_sharded_optimizer_state_dict")
+    module = unwrap(model)
+    state.drain_publish()
+    params = dict(module.named_parameters())
+    _load_param_groups("set_sharded_optimizer_state_dict", params, optimizer, sd["param_groups"])
+    _init_optimizer_state(state, optimizer)
+    held = {
+        n for n, p in params.items() if p in optimizer.state and (p not in state.by_param or state.by_param[p].is_owner)
+    }
+    _check_keys("set_sharded_optimizer_state_dict", held, set(sd["state"]), "param states")
+    with torch.no_grad():
+        for fqn in held:
+            live = optimizer.state[params[fqn]]
+            saved = sd["state"][fqn]
+            _check_keys(f"set_sharded_optimizer_state_dict: '{fqn}'", set(live), set(saved), "state")
+            for key, value in saved.items():
+                _copy_local(local_of(live[key]), value, f"{fqn}.{key}")
+
+
+def _tp_view(dp: DedicatedParam, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a TP-local tensor of `dp`'s shape) as a DTensor laid out like the param over its TP mesh, sharing
+    storage; `local` itself when `dp` is not TP-sharded."""
+    if dp.tp_group is None:
+        return local
+    p = dp.param
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _copy_local(live: torch.Tensor, value: Any, name: str) -> None:
+    """Copy a loaded value into the live (plain, local) tensor, unless it already is that storage."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}': expected a tensor, got {type(value).__name__}")
+    src = local_of(value)
+    if tuple(src.shape) != tuple(live.shape):
+        raise ValueError(f"'{name}': the loaded local shard has shape {tuple(src.shape)}, expected {tuple(live.shape)}")
+    if src.data_ptr() != live.data_ptr() or src.device != live.device:
+        live.copy_(src)
+
+
+def _refresh_live(dp: DedicatedParam) -> None:
+    """DDP keeps a live param beside a non-fp32 master: refresh it from the master."""
+    if dp.group.live and dp._owned_data.data_ptr() != dp.local.data_ptr():
+        dp.local.data.copy_(dp._owned_data)
+
+
+def _init_optimizer_state(state: DMuonState, optimizer: torch.optim.Optimizer) -> None:
+    """Create the state `dmuon.Muon.step` would create lazily: a zero momentum on each dedicated matrix's
+    owner, AdamW's zero moments and step 0 on every other param."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            dp = state.by_param.get(p)
+            if dp is None:
+                if not optimizer.state.get(p):
+                    init_adamw_state(p, optimizer.state[p])
+            elif dp.is_owner and "momentum_buffer" not in optimizer.state.get(p, {}):
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(dp._owned_data)
+
+
+def _param_groups(names: dict[nn.Parameter, str], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters (its `kind` included) and its params' FQNs, in group order."""
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+
+
+def _load_param_groups(what: str, params: dict[str, nn.Parameter], optimizer, saved_groups: list[dict]) -> None:
+    """Take the saved hyper-parameters, group by group, after checking the groups hold the same params."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{what}: the checkpoint has {len(saved_groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+        )
+    names = {p: n for n, p in params.items()}
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        mine = sorted(names[p] for p in group["params"])
+        if mine != sorted(saved["params"]):
+            diff = sorted(set(mine) ^ set(saved["params"]))
+            raise ValueError(
+                f"{what}: param group {i} ({group.get('kind')}) differs from the checkpoint's in {diff[:5]} "
+                "(another model or optimizer.muon_params?)"
+            )
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _check_keys(where: str, expected: set[str], got: set[str], noun: str = "keys") -> None:
+    """A KeyError naming what `got` lacks or has beyond `expected`."""
+    missing, unexpected = sorted(expected - got), sorted(got - expected)
+    if missing or unexpected:
+        raise KeyError(f"{where}: missing {noun} {missing[:5]}, unexpected {noun} {unexpected[:5]}")

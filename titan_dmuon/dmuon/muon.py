@@ -327,6 +327,14 @@ class _InOrder:
             self.next += 1
 
 
+def init_adamw_state(p: torch.Tensor, state: dict) -> None:
+    """A param's AdamW state before its first step (zero moments, step 0): what `adamw_step` starts from, and
+    what a checkpoint template of a fresh optimizer holds."""
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def adamw_step(group: dict, states) -> None:
     """torch.optim.AdamW's own foreach kernel on one param group (`states`: the optimizer's per-param state);
     shared by every optimizer here that runs AdamW beside Muon."""
@@ -336,9 +344,7 @@ def adamw_step(group: dict, states) -> None:
             continue
         state = states[p]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            init_adamw_state(p, state)
         params.append(p)
         grads.append(p.grad)
         exp_avgs.append(state["exp_avg"])

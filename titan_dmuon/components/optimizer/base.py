@@ -11,7 +11,8 @@ The trainer never asks which optimizer it has. It calls, in this order:
     with component.no_sync(): ...                        # every micro-batch but the last one
     norm = component.clip_grad_norm_(max_norm)           # one global norm, the same on every rank
     optimizer.step(); component.step_stats()             # the metrics the component adds
-    component.state_dict() / load_state_dict(sd)         # for checkpoints (DCP-ready)
+    component.model_state_dict() / load_model_state_dict(sd)  # checkpoints: this rank's share, by FQN (DCP)
+    component.state_dict() / load_state_dict(sd)         # the optimizer's, likewise
     component.close()                                    # finish in-flight communication
 
 The defaults here serve an optimizer whose params FSDP2 manages (DTensors): `adamw` and `muon_naive` use
@@ -27,7 +28,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -148,12 +154,24 @@ class OptimizerComponent:
         return {}
 
     # ----------------------------------------------------------------------------------- checkpoints
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights keyed by the unwrapped model's FQNs, this rank's share only (FSDP2/TP params as
+        DTensors, aliasing live storage): what DCP saves, and the template `dcp.load` fills in place. Gathers
+        nothing."""
+        return get_model_state_dict(self.model)
+
+    def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """After `dcp.load` filled `model_state_dict()`'s dict (saved by any topology): copy it into the model
+        where it does not alias it."""
+        set_model_state_dict(self.model, state_dict)
+
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state keyed by parameter FQN, DTensors left sharded (what DCP saves)."""
+        """The optimizer state keyed by parameter FQN, DTensors left sharded (what DCP saves); a fresh optimizer's
+        state is created first, so the dict is a complete load template."""
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The inverse of `state_dict` (the same layout)."""
+        """The inverse of `state_dict` (the same layout, possibly saved by another topology)."""
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
     def close(self) -> None:

@@ -90,11 +90,19 @@ class DMuon(OptimizerComponent):
                 out[f"dmuon/bytes_{kind}"] = float(nbytes)
         return out
 
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's share: each dedicated matrix's fp32 master on its owner's column only, the FSDP2 DTensors."""
+        return dmuon.get_sharded_model_state_dict(self.model)
+
+    def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        dmuon.set_sharded_model_state_dict(self.model, state_dict)
+
     def state_dict(self) -> dict[str, Any]:
-        return dmuon.get_optimizer_state_dict(self.model, self.optimizer)
+        """This rank's share: Muon momentum on each matrix's owner only, AdamW moments as FSDP2 DTensors."""
+        return dmuon.get_sharded_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        dmuon.set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        dmuon.set_sharded_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
     def close(self) -> None:
         if self.model is not None and self.optimizer is not None:
