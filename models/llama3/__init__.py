@@ -13,6 +13,7 @@ from titan_dmuon.components.model import ModelSpec, register_model_spec
 from .memory import activation_bytes
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
 from .parallelize import apply_tp
+from .state_dict_adapter import Llama3StateDictAdapter
 
 LLAMA3_VOCAB_SIZE = 128256
 
@@ -123,6 +124,7 @@ SPEC = register_model_spec(
         init_buffers=lambda model, device: model.init_buffers(device),
         apply_tp=apply_tp,
         activation_bytes=activation_bytes,
+        state_dict_adapter=Llama3StateDictAdapter.from_model,
     )
 )
 
@@ -138,6 +140,7 @@ __all__ = [
     "apply_tp",
     "get_nparams_and_flops",
     "LLAMA3_VOCAB_SIZE",
+    "Llama3StateDictAdapter",
     "MUON_PARAMS",
     "SPEC",
     "blocks",

@@ -66,6 +66,10 @@ class ModelSpec:
     activation_bytes: Callable[..., float] | None = None
     """`(model, *, batch, seq_len, dtype_bytes, tp, ac_mode)` -> an estimate of one rank's activation memory in
     bytes for a micro-batch (the dry-run planner prints it); None = the planner says it has no estimate."""
+    state_dict_adapter: Callable[[nn.Module], Any] | None = None
+    """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
+    the HF config.json (titan_dmuon/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and
+    scripts/convert_checkpoint.py use it); None = the family has no HF counterpart."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -1,0 +1,267 @@
+"""Hugging Face weights: export a state dict as safetensors + config.json, and load a published folder into a
+(sharded) model state dict.
+
+A model family's `ModelSpec.state_dict_adapter` maps its FQNs and layouts to HF's (models/llama3/
+state_dict_adapter.py). `load_hf_weights` fills the template `OptimizerComponent.model_state_dict()` returns,
+on every rank, reading only that rank's share from the memory-mapped safetensors files: a plain slice where
+the conversion is a rename, one full matrix at a time where it moves rows (the RoPE q/k permutation).
+`scripts/convert_checkpoint.py` turns a DCP checkpoint into an HF folder with `export_hf`.
+
+safetensors (and transformers, for the tests) are dev dependencies, imported only when these functions run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size for save_pretrained
+
+
+class StateDictAdapter(Protocol):
+    """What `export_hf` and `load_hf_weights` need from a family's adapter; all tensors are full tensors."""
+
+    def to_hf_name(self, fqn: str) -> str: ...
+
+    def from_hf_name(self, hf_name: str) -> str | None: ...
+
+    def tied_hf_name(self, fqn: str) -> str | None:
+        """Where a checkpoint with `tie_word_embeddings: true` stores `fqn` when `to_hf_name(fqn)` is absent."""
+        ...
+
+    def needs_full_tensor(self, fqn: str) -> bool:
+        """True when `from_hf` moves elements: a shard must be taken from the converted full tensor."""
+        ...
+
+    def to_hf(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def from_hf(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]: ...
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise ImportError(
+            "Hugging Face weights need the safetensors package: pip install safetensors "
+            '(it comes with the dev extra: pip install -e ".[dev]")'
+        ) from None
+    return safetensors
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """True when `path` is a folder holding `*.safetensors` files (a Hugging Face model folder)."""
+    path = Path(path)
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export
+
+
+def _shard_name(index: int, total: int) -> str:
+    return SINGLE_FILE_NAME if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+def export_hf(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    folder: str | os.PathLike,
+    adapter: StateDictAdapter,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write full tensors of ours (FQN -> tensor, a mapping or a stream of pairs) as an HF model folder:
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when they
+    exceed `max_shard_bytes`, and `config.json`. `dtype` casts (None keeps each tensor's). A stream is written
+    as it comes, holding at most one shard in memory. Returns the safetensors files written."""
+    st = _safetensors()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in folder.glob("*.safetensors")) + [INDEX_NAME] * (folder / INDEX_NAME).exists()
+    if stale:
+        raise FileExistsError(f"{folder} holds HF weights already ({', '.join(stale[:3])}): give an empty one")
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+    out_dtype = dtype
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        tmp = folder / f".shard-{len(written):05d}.safetensors.tmp"
+        st.torch.save_file(pending, str(tmp), metadata={"format": "pt"})
+        written.append((tmp, list(pending)))
+        pending, pending_bytes = {}, 0
+
+    for fqn, tensor in items:
+        if isinstance(tensor, DTensor):
+            raise TypeError(
+                f"export_hf takes full tensors, got a DTensor for {fqn!r}: gather it first "
+                "(dmuon.get_model_state_dict) or convert a DCP checkpoint with scripts/convert_checkpoint.py"
+            )
+        hf = adapter.to_hf(fqn, tensor.detach().cpu())
+        hf = (hf.to(dtype) if dtype is not None else hf).contiguous()
+        out_dtype = hf.dtype if out_dtype is None else out_dtype
+        nbytes = hf.numel() * hf.element_size()
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+        pending[adapter.to_hf_name(fqn)] = hf
+        pending_bytes += nbytes
+        total_bytes += nbytes
+    if pending or not written:
+        flush()
+
+    files, weight_map = [], {}
+    for i, (tmp, names) in enumerate(written):
+        path = folder / _shard_name(i, len(written))
+        os.replace(tmp, path)
+        files.append(path)
+        weight_map.update(dict.fromkeys(names, path.name))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = adapter.hf_config(out_dtype or torch.float32)
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------------
+# Load
+
+
+def hf_weight_map(folder: str | os.PathLike) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it: from the index when there is one, else each file's
+    header. ValueError when `folder` holds no safetensors."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors file: not a Hugging Face model folder")
+    st = _safetensors()
+    out = {}
+    for path in files:
+        with st.safe_open(str(path), framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), path))
+    return out
+
+
+def hf_tensor_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, from the safetensors headers (no tensor is read)."""
+    st = _safetensors()
+    by_file: dict[Path, list[str]] = {}
+    for name, path in hf_weight_map(folder).items():
+        by_file.setdefault(path, []).append(name)
+    out = {}
+    for path, names in by_file.items():
+        with st.safe_open(str(path), framework="pt") as f:
+            out.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
+    return out
+
+
+def _is_block(placements) -> bool:
+    """Whether a DTensor's local shard is one rectangular block of the global tensor (only plain Shard and
+    Replicate placements; a _StridedShard, FSDP2's dim-0 shard over a TP-sharded dim 0, interleaves)."""
+    return all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard)) for p in placements
+    )
+
+
+@torch.no_grad()
+def load_hf_weights(model_sd: dict[str, torch.Tensor], folder: str | os.PathLike, adapter: StateDictAdapter) -> None:
+    """Fill the template `model_sd` (our FQNs; plain tensors or DTensors, this rank's share) in place from the
+    HF folder `folder`, converting each tensor with `adapter` and casting to the template's dtype.
+
+    Each rank reads only its share: a slice of the memory-mapped file where the conversion is a rename, one
+    full matrix at a time where it moves rows (then takes its share). HF tensors that the template does not
+    name are ignored (e.g. `rotary_emb.inv_freq`); a template key with no HF tensor, or a shape that differs,
+    is a ValueError naming the folder, the tensor and the fix.
+    """
+    st = _safetensors()
+    folder = Path(folder)
+    weight_map = hf_weight_map(folder)
+    config_path = folder / CONFIG_NAME
+    tied = config_path.exists() and bool(json.loads(config_path.read_text()).get("tie_word_embeddings", False))
+
+    sources, missing = {}, []
+    for fqn in model_sd:
+        name = adapter.to_hf_name(fqn)
+        if name not in weight_map and tied:
+            name = adapter.tied_hf_name(fqn) or name
+        if name not in weight_map:
+            missing.append(f"{fqn} ({name})")
+        sources[fqn] = name
+    if missing:
+        raise ValueError(
+            f"{folder} has no tensor for {len(missing)} of the model's weights: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}; is it a checkpoint of this model family?"
+        )
+
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for fqn, template in model_sd.items():
+            name = sources[fqn]
+            path = weight_map[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(st.safe_open(str(path), framework="pt"))
+            _fill(template, handles[path], name, fqn, adapter, folder)
+
+
+def _fill(template: torch.Tensor, f, name: str, fqn: str, adapter: StateDictAdapter, folder: Path) -> None:
+    """Copy this rank's share of HF tensor `name` (file handle `f`) into `template` (our `fqn`)."""
+    hf_shape = tuple(f.get_slice(name).get_shape())
+    if hf_shape != tuple(template.shape):
+        raise ValueError(
+            f"{folder}: {name} (our {fqn}) has shape {list(hf_shape)} but the model's is {list(template.shape)}: "
+            f"the model config (flavor, vocab size) does not match {folder / CONFIG_NAME}"
+        )
+
+    def full() -> torch.Tensor:
+        return adapter.from_hf(fqn, f.get_tensor(name))
+
+    if not isinstance(template, DTensor):
+        template.copy_(full() if adapter.needs_full_tensor(fqn) else f.get_tensor(name))
+        return
+    local = template.to_local()
+    if not _is_block(template.placements):
+        # one full matrix, sharded locally (src_data_rank=None: no communication)
+        shard = distribute_tensor(full(), template.device_mesh, template.placements, src_data_rank=None)
+        local.copy_(shard.to_local())
+        return
+    shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"{fqn}: local shard shape {tuple(local.shape)} != computed {shape}")
+    if local.numel() == 0:
+        return
+    region = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    src = full()[region] if adapter.needs_full_tensor(fqn) else f.get_slice(name)[region]
+    local.copy_(src)
+
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "StateDictAdapter",
+    "export_hf",
+    "hf_tensor_shapes",
+    "hf_weight_map",
+    "is_hf_folder",
+    "load_hf_weights",
+]
