@@ -1,10 +1,10 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
     trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
-    try:                     # data, meta model, parallelize, materialize, optimizer, lr, metrics (profiler: train())
-        trainer.train()
+    try:                     # data, meta model, parallelize, materialize, optimizer, lr, metrics, checkpoint (loads
+        trainer.train()      # the newest complete one: the run resumes)  (profiler: train())
     finally:
-        trainer.close()      # optimizer component, metrics, process group
+        trainer.close()      # a checkpoint in flight, optimizer component, metrics, process group
 
 The trainer knows neither the model family nor the optimizer: it asks the family's ModelSpec
 (titan_dmuon/components/model.py) and the optimizer component (titan_dmuon/components/optimizer/).
@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from titan_dmuon.checkpoint import CheckpointManager, validate_checkpoint_config
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
@@ -49,6 +50,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.step = 0
+        self.tokens_seen = 0  # over all DP ranks
+        self.checkpointer: CheckpointManager | None = None
         self._owns_process_group = False
         self.metrics: MetricsLogger | None = None
         self.optim = None  # the optimizer component (self.optimizer is its torch.optim.Optimizer)
@@ -75,6 +78,7 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from None
         self.optim = build_optimizer_component(cfg, self.spec)
+        validate_checkpoint_config(cfg)
         # 1. Device.
         self.device = self._init_device()
         # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group.
@@ -142,6 +146,22 @@ class Trainer:
             self._save_config()
         self.peak_flops = get_peak_flops(self.device)
         self.max_norm = t.max_norm if t.max_norm > 0 else math.inf
+        # 11. Checkpoints: resume from the newest complete one in the folder (or checkpoint.load_step, or start
+        #     from checkpoint.initial_load_path): weights, optimizer, schedule, data position, step, RNG.
+        self.checkpointer = CheckpointManager(
+            cfg,
+            optim=self.optim,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            global_batch_size=t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+            device=self.device,
+            seed=self.seed,
+        )
+        self.step, self.tokens_seen = self.checkpointer.load()
+        if self.step:
+            logger.info("Resumed at step %d (%s tokens seen)", self.step, f"{self.tokens_seen:,}")
 
     # ------------------------------------------------------------------------------------------- setup
     def _init_device(self) -> torch.device:
@@ -311,7 +331,7 @@ class Trainer:
             maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot,
         ):
             train_start = time.perf_counter()
-            interval_start, interval_tokens, tokens_seen = train_start, 0, 0
+            interval_start, interval_tokens = train_start, 0
             while self.step < t.steps:
                 self.step += 1
                 # The lrs this step trains with (train_step advances the schedule): the first group's of each kind.
@@ -323,12 +343,12 @@ class Trainer:
                     self.collective_timeout = float(cfg.comm.train_timeout_seconds)
                     set_collective_timeout(self.collective_timeout)
                 interval_tokens += ntokens
-                tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
+                self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
                     now = time.perf_counter()
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})
-                    scalars.update({"progress/tokens_seen": tokens_seen, "progress/elapsed_s": now - train_start})
+                    scalars.update({"progress/tokens_seen": self.tokens_seen, "progress/elapsed_s": now - train_start})
                     # Per device: TP ranks process the same tokens.
                     scalars.update(
                         throughput_metrics(
@@ -347,6 +367,7 @@ class Trainer:
                     interval_start += time.perf_counter() - val_start  # validation is not training time
                 if scalars:
                     self.metrics.log(self.step, scalars)
+                self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps)
                 profiler.step()
                 snapshot.step()
                 if "loss/train" in scalars:  # logging, validation and trace export are not training time
@@ -359,6 +380,10 @@ class Trainer:
 
         graceful=False (after an unexpected error) talks to no other rank: the peers may be gone or stuck.
         """
+        if self.checkpointer is not None:
+            if dist.is_initialized():  # an async save still in flight: finished and committed, if all is well
+                self.checkpointer.close(graceful=graceful)
+            self.checkpointer = None
         if self.heartbeat is not None:
             self.heartbeat.stop(clean=graceful)
             self.heartbeat = None

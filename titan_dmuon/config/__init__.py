@@ -3,6 +3,7 @@
 from titan_dmuon.config.job_config import (
     ActivationCheckpoint,
     AdamWConfig,
+    Checkpoint,
     Comm,
     Compile,
     DMuonConfig,
@@ -33,6 +34,7 @@ from titan_dmuon.config.manager import (
 __all__ = [
     "ActivationCheckpoint",
     "AdamWConfig",
+    "Checkpoint",
     "Comm",
     "Compile",
     "ConfigError",

@@ -227,6 +227,41 @@ class Comm:
 
 
 @dataclass
+class Checkpoint:
+    """[checkpoint]: sharded DCP checkpoints (titan_dmuon/checkpoint.py); train.py resumes from the newest one."""
+
+    enable: bool = False
+    """Save checkpoints every `interval` steps and at the last step, and resume from the newest complete one in
+    `folder` at start-up.
+    """
+    folder: str = "checkpoint"
+    """Folder of the checkpoints, under job.dump_folder: one sub-folder step-<N> per checkpoint (torch DCP format)."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (older ones are deleted after a new one is complete); 0 keeps all."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """How saving overlaps training. "disabled": training waits for the save; "async": a copy of the state is
+    written by a background thread while training goes on (committed when done, at the latest before the next save
+    and at the end); "async_with_pinned_mem": the same, copying to pinned host memory (CUDA only).
+    """
+    load_step: int = -1
+    """The step to resume from; -1 = the newest complete checkpoint in folder (none: start from scratch)."""
+    initial_load_path: str = ""
+    """Where to start from when folder holds no checkpoint: a DCP checkpoint folder (a step-<N> folder) or a Hugging
+    Face folder (config.json + *.safetensors, weights only). Empty = from the seeded initialization.
+    """
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path (not the optimizer, schedule, data position, step)."""
+    last_save_model_only: bool = False
+    """Make the last step's checkpoint model weights only (in export_dtype): smaller, for evaluation or export, but
+    not resumable with the optimizer state.
+    """
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights of a model-only last checkpoint (last_save_model_only); full checkpoints stay float32."""
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
     """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other
@@ -289,6 +324,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     comm: Comm = field(default_factory=Comm)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)

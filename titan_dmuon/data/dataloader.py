@@ -89,6 +89,35 @@ class MicroBatchLoader:
         self.loader.load_state_dict(state["loader"])
         self._skip, self._served = state["served"], 0
 
+    # The global position: what a checkpoint stores, so that any DP size with the same global batch resumes it
+    # (the per-rank state above holds DataLoader internals that only the same ranks and workers can take back).
+    @property
+    def rows(self) -> list[int]:
+        """The global batch rows this rank reads."""
+        return self.dataset.rows
+
+    def position(self) -> dict[str, Any]:
+        """At a step boundary: ``{"step": steps served, "rows": {global row: [unit, document, token]}}`` for this
+        rank's rows. Each row's reader lives in the worker that packs it (row ``i`` of the rank: worker ``i % W``)."""
+        if 0 < self._served < self._per_step:
+            raise RuntimeError("the data position is defined between steps only, not inside one")
+        state = self.loader.state_dict()
+        if "_snapshot" in state:  # worker processes: each holds its rows' readers
+            workers = state["_snapshot"].get("_worker_snapshots") or {}
+            dataset_states = [workers.get(f"worker_{w}", {}).get("dataset_state") for w in range(self.workers)]
+        else:
+            dataset_states = [state.get("dataset_state")]
+        if any(s is None for s in dataset_states):  # not iterated yet: the dataset object holds the position
+            dataset_states = [self.dataset.state_dict()] * len(dataset_states)
+        rows = {j: list(dataset_states[i % len(dataset_states)]["rows"][i]) for i, j in enumerate(self.rows)}
+        return {"step": int(dataset_states[0]["step"]), "rows": rows}
+
+    def seek(self, step: int, rows: dict[int, list[int]]) -> None:
+        """Continue from a `position()` (of any DP layout of the same global batch): this rank's rows' positions.
+        Call before the first ``iter``: the fresh loader hands the dataset (and its workers) this state."""
+        self.dataset.load_state_dict({"step": step, "rows": [rows[j] for j in self.rows]})
+        self._skip = self._served = 0
+
 
 def _as_is(item):
     return item

@@ -1,0 +1,607 @@
+"""Checkpoints: sharded torch.distributed.checkpoint (DCP) saves, atomic on disk, resumable on any topology.
+
+    ckpt = CheckpointManager(cfg, optim, lr_scheduler, dataloader, ...)   # in the trainer, after the optimizer
+    step, tokens_seen = ckpt.load()         # the newest complete checkpoint (or load_step, or initial_load_path)
+    ckpt.maybe_save(step, tokens_seen)      # after every step: saves every `interval` steps and at the last one
+    ckpt.close()                            # waits for (and commits) an async save still in flight
+
+One checkpoint is the folder `<job.dump_folder>/<checkpoint.folder>/step-<N>/`: DCP's `.metadata` and data
+files, plus `config.toml` (the resolved config, whose [model] table is compared on load). Its DCP state dict:
+
+    model         the optimizer component's model_state_dict(): this rank's share, keyed by FQN
+    optimizer     the component's state_dict() (Muon momentum, AdamW moments, param groups)
+    lr_scheduler  last_epoch (the schedule is a function of the config and of it)
+    dataloader    the GLOBAL data position: step and every row's [unit, document, token] of the global batch,
+                  gathered from the DP ranks, so that another DP size with the same global batch resumes it
+    train_state   step, tokens_seen
+    rng           per rank: torch (CPU, CUDA), Python and NumPy generator states; restored on the ranks that
+                  existed when saving, the others keep their seeded state
+
+Atomicity: every rank writes into `step-<N>.tmp-<id>`; once DCP's coordinator (rank 0) has written
+`.metadata` (after every rank reported its files written), rank 0 fsyncs it and renames the folder to
+`step-<N>` (fsync of the parent). A killed save leaves only a temporary, which loading ignores and the next
+job's rank 0 deletes; keep_latest_k counts complete folders and prunes only after the new one is in place.
+An async save is committed when it finishes (checked after each step), at the latest before the next
+save starts and at close().
+
+Loading never unpickles code: `.metadata` is read by an unpickler that admits only DCP's metadata classes,
+and non-tensor items are read with torch.load(weights_only=True). A missing, partial or mismatched
+checkpoint raises CheckpointError (a ConfigError: train.py exits 2), naming the folder and the mismatch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import resource
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TEMP_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
+_METADATA = ".metadata"
+_CONFIG = "config.toml"
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ConfigError):
+    """A missing, partial or mismatched checkpoint: like a config error, the same on every rank, exit 2."""
+
+
+def validate_checkpoint_config(cfg: JobConfig) -> None:
+    """The [checkpoint] ranges and choices, before any process group exists."""
+    c = cfg.checkpoint
+    if c.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {c.keep_latest_k}")
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {c.load_step}")
+    if c.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        raise ConfigError(
+            'checkpoint.async_mode = "async_with_pinned_mem" needs CUDA (pinned host memory); '
+            'use "async" on this machine'
+        )
+    if not c.folder or os.path.isabs(c.folder) or ".." in Path(c.folder).parts:
+        raise ConfigError(f"checkpoint.folder must be a relative folder under job.dump_folder, got {c.folder!r}")
+
+
+# ------------------------------------------------------------------------------------------ the folder
+def step_folders(folder: str | Path) -> dict[int, Path]:
+    """Every `step-<N>` folder (renamed, so meant to be complete) of a checkpoint folder, by step."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for entry in folder.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            out[int(m.group(1))] = entry
+    return dict(sorted(out.items()))
+
+
+def complete_steps(folder: str | Path) -> list[int]:
+    """The steps of the complete checkpoints (a step-<N> folder holding DCP's .metadata), oldest first."""
+    return [s for s, path in step_folders(folder).items() if (path / _METADATA).is_file()]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------- loading without unpickling code
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's `.metadata` is made of: its dataclasses, torch.Size/dtypes, paths."""
+
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata; refusing to load it")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_metadata(self.path, load_id=self.load_id)
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading non-tensor items (param group hyper-parameters) with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: str | Path, load_id: str | None = None) -> Metadata:
+    """A checkpoint's DCP metadata (key -> global shape/dtype), read without unpickling arbitrary code."""
+    with open(Path(path) / _METADATA, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+    if getattr(metadata, "storage_meta", None) is None:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def _rng_state() -> dict[str, torch.Tensor]:
+    """This process's generator states as tensors (no pickled objects in the checkpoint)."""
+    version, mt, gauss = random.getstate()
+    np_state = np.random.get_state()
+    out = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *mt], dtype=torch.int64),
+        "python_gauss": torch.tensor(float("nan") if gauss is None else gauss, dtype=torch.float64),
+        "numpy": torch.tensor([*np_state[1].tolist(), np_state[2], np_state[3]], dtype=torch.int64),
+        "numpy_gauss": torch.tensor(np_state[4], dtype=torch.float64),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"].tolist()
+    gauss = float(state["python_gauss"])
+    random.setstate((py[0], tuple(py[1:]), None if np.isnan(gauss) else gauss))
+    npy = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(npy[:-2], dtype=np.uint32), npy[-2], npy[-1], float(state["numpy_gauss"])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _local_bytes(sd: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank holds in a (nested) state dict: a DTensor counts its local shard."""
+    total = 0
+    for v in flatten_state_dict(sd)[0].values():
+        if isinstance(v, DTensor):
+            v = v.to_local()
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def _rss_mib() -> tuple[float, float]:
+    """(current RSS, peak RSS so far) of this process in MiB."""
+    with open("/proc/self/statm") as f:
+        current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return current / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ------------------------------------------------------------------------------------------- the manager
+class CheckpointManager:
+    """Saves and loads the run's state (module docstring); every rank calls every method at the same step."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        optim,
+        lr_scheduler,
+        dataloader,
+        dp_rank: int,
+        dp_world_size: int,
+        global_batch_size: int,
+        device: torch.device,
+        seed: int,
+    ):
+        self.cfg, self.c = cfg, cfg.checkpoint
+        self.optim, self.lr_scheduler, self.dataloader = optim, lr_scheduler, dataloader
+        self.dp_rank, self.dp_world_size, self.global_batch_size = dp_rank, dp_world_size, global_batch_size
+        self.device, self.seed = device, seed
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.folder = Path(cfg.job.dump_folder) / self.c.folder
+        self.loaded_step: int | None = None
+        self._tokens_seen = 0
+        self._pending: tuple[Any, Path, Path, int, float] | None = None  # (future, temporary, final, step, t0)
+        self._pg = None
+        if self.c.enable and self.c.async_mode != "disabled":
+            # the save thread's collectives run beside the training step's: they need a group of their own
+            self._pg = dist.new_group(backend="gloo")
+        self.memory: list[dict[str, Any]] = []
+        """Per save/load on this rank: RSS before, peak RSS after, this rank's state bytes (also logged)."""
+
+    # -------------------------------------------------------------------------------------- collectives
+    def _broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _agree(self, error: str | None) -> None:
+        """Raise the first rank's error on every rank (so no rank enters a DCP collective alone)."""
+        errors: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise CheckpointError(first)
+
+    # ---------------------------------------------------------------------------------------- the state
+    def _dataloader_state(self) -> dict[str, torch.Tensor]:
+        """The global position: every row of the global batch, gathered from the DP ranks (TP ranks agree)."""
+        pos = self.dataloader.position()
+        rows = torch.tensor([[j, *s] for j, s in sorted(pos["rows"].items())], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(rows) for _ in range(self.world_size)]
+        dist.all_gather(gathered, rows)
+        table = torch.full((self.global_batch_size, 3), -1, dtype=torch.int64)
+        for part in gathered:
+            part = part.cpu()
+            table[part[:, 0]] = part[:, 1:]
+        if (table < 0).any():
+            raise RuntimeError("the data loader position misses rows of the global batch")
+        return {"step": torch.tensor(pos["step"]), "rows": table}
+
+    def _state_dict(self, step: int, tokens_seen: int, model_only: bool) -> dict[str, Any]:
+        sd: dict[str, Any] = {
+            "model": self.optim.model_state_dict(),
+            "train_state": {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen)},
+        }
+        if model_only:
+            dtype = _EXPORT_DTYPES[self.c.export_dtype]
+            sd["model"] = {k: v.detach().to(dtype) for k, v in sd["model"].items()}
+            return sd
+        sd["optimizer"] = self.optim.state_dict()
+        sd["lr_scheduler"] = {"last_epoch": torch.tensor(self.lr_scheduler.last_epoch)}
+        sd["dataloader"] = self._dataloader_state()
+        sd["rng"] = {f"rank{self.rank}": _rng_state()}
+        return sd
+
+    # ------------------------------------------------------------------------------------------- saving
+    def maybe_save(self, step: int, tokens_seen: int, last: bool = False) -> None:
+        """After step `step`: commit a finished async save; save every `interval` steps and at the last step."""
+        if not self.c.enable:
+            return
+        self._poll()
+        if (step % self.c.interval == 0 or last) and step != self.loaded_step:
+            self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only)
+
+    def save(self, step: int, tokens_seen: int, model_only: bool = False) -> None:
+        self._finish_pending()
+        final = self.folder / f"step-{step}"
+        temp = None
+        if self.rank == 0:
+            if final.exists():
+                logger.warning("checkpoint: %s exists already; not overwriting it (this save is skipped)", final)
+            else:
+                temp = self.folder / f"step-{step}.tmp-{uuid.uuid4().hex[:12]}"
+                temp.mkdir(parents=True)
+                (temp / _CONFIG).write_text(dump_toml(self._resolved_config()))
+        temp = self._broadcast_object(None if temp is None else str(temp))
+        if temp is None:
+            return
+        temp = Path(temp)
+        rss_before, peak_before = _rss_mib()
+        t0 = time.perf_counter()
+        state = self._state_dict(step, tokens_seen, model_only)
+        share = _local_bytes(state)
+        writer = FileSystemWriter(temp, sync_files=True)
+        if self._pg is None:
+            dcp.save(state, storage_writer=writer)
+            self._commit(temp, final, step, t0)
+            self._record("save", step, rss_before, peak_before, share, gather=True)
+        else:
+            kwargs: dict[str, Any] = {}
+            if self.c.async_mode == "async_with_pinned_mem":
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                kwargs["async_stager"] = DefaultStager(StagingOptions(True, False, False, False))
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
+            self._pending = (future, temp, final, step, t0)
+            self._record("save (staged)", step, rss_before, peak_before, share, gather=False)
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Wait for the async save in flight (its errors raise here) and commit it."""
+        if self._pending is None:
+            return
+        future, temp, final, step, t0 = self._pending
+        self._pending = None
+        future.result()
+        self._commit(temp, final, step, t0)
+
+    def _commit(self, temp: Path, final: Path, step: int, t0: float) -> None:
+        """Rank 0, once DCP's coordinator wrote .metadata (every rank's files are written by then): make the
+        checkpoint visible by one rename, then prune to keep_latest_k."""
+        if self.rank != 0:
+            return
+        _fsync(temp / _METADATA)
+        _fsync(temp)
+        os.rename(temp, final)
+        _fsync(self.folder)
+        logger.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - t0)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.c.keep_latest_k <= 0:
+            return
+        for step in complete_steps(self.folder)[: -self.c.keep_latest_k]:
+            path = self.folder / f"step-{step}"
+            doomed = self.folder / f"step-{step}.deleting-{uuid.uuid4().hex[:12]}"
+            os.rename(path, doomed)  # out of sight first: a kill mid-delete leaves no partial step-<N>
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def _resolved_config(self) -> JobConfig:
+        import dataclasses
+
+        return dataclasses.replace(self.cfg, training=dataclasses.replace(self.cfg.training, seed=self.seed))
+
+    def _record(self, what: str, step: int, rss_before: float, peak_before: float, share: int, gather: bool) -> None:
+        rss, peak = _rss_mib()
+        row = {
+            "what": what,
+            "step": step,
+            "rank": self.rank,
+            "rss_before_mib": round(rss_before, 1),
+            "peak_before_mib": round(peak_before, 1),
+            "peak_after_mib": round(peak, 1),
+            "rss_after_mib": round(rss, 1),
+            "state_share_mib": round(share / 2**20, 3),
+        }
+        self.memory.append(row)
+        rows = [row]
+        if gather:
+            rows = [None] * self.world_size
+            dist.all_gather_object(rows, row)
+        if self.rank == 0:
+            for r in rows:
+                logger.info("checkpoint memory: %s", json.dumps(r))
+
+    # ------------------------------------------------------------------------------------------ loading
+    def clean_temporaries(self) -> None:
+        """Rank 0, before this job saves anything: delete what killed saves and prunes left behind."""
+        if self.rank != 0 or not self.folder.is_dir():
+            return
+        for entry in self.folder.iterdir():
+            if _TEMP_DIR.match(entry.name):
+                logger.info("checkpoint: removing the unfinished %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def load(self) -> tuple[int, int]:
+        """Resume: (step, tokens_seen) of the loaded checkpoint, or (0, 0) when there is none (or only
+        initial_load_path's weights were loaded)."""
+        if not self.c.enable and not self.c.initial_load_path:
+            return 0, 0
+        choice = self._broadcast_object(self._choose() if self.rank == 0 else None)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        if self.c.enable:
+            self.clean_temporaries()
+        if choice is None:
+            if self.c.initial_load_path:
+                return self._initial_load()
+            logger.info("checkpoint: no checkpoint in %s, starting from scratch", self.folder)
+            return 0, 0
+        step = self._load_dcp(self.folder / f"step-{choice}", model_only=False, check_config=True)
+        self.loaded_step = step
+        return step, self._tokens_seen
+
+    def _choose(self) -> int | str | None:
+        """Rank 0: the step to resume from (None: none), or an error message."""
+        steps = step_folders(self.folder)
+        complete = complete_steps(self.folder)
+        if self.c.load_step >= 0:
+            if self.c.load_step not in steps:
+                return (
+                    f"checkpoint.load_step = {self.c.load_step}: {self.folder} has no step-{self.c.load_step} "
+                    f"(complete checkpoints: {complete or 'none'})"
+                )
+            chosen = self.c.load_step
+        elif steps:
+            chosen = max(steps)
+        else:
+            return None
+        if chosen not in complete:
+            return (
+                f"checkpoint {steps[chosen]} is partial or corrupted (no {_METADATA}); remove it to resume from "
+                f"the one before, or set checkpoint.load_step"
+            )
+        newer = [s for s in steps if s > chosen]
+        if newer and self.c.enable:
+            return (
+                f"checkpoint.load_step = {chosen}, but {self.folder} holds later checkpoints {newer}, which this "
+                "run's saves would overwrite; move them away or use another checkpoint.folder"
+            )
+        return chosen
+
+    def _initial_load(self) -> tuple[int, int]:
+        path = Path(self.c.initial_load_path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
+        if any(path.glob("*.safetensors")):
+            from titan_dmuon.hf import load_hf_weights
+
+            sd = self.optim.model_state_dict()
+            try:
+                load_hf_weights(sd, path, self.optim.spec.state_dict_adapter)
+            except (KeyError, ValueError, OSError) as e:
+                raise CheckpointError(f"checkpoint.initial_load_path {path}: {e}") from None
+            self.optim.load_model_state_dict(sd)
+            logger.info("checkpoint: started from the Hugging Face weights in %s", path)
+            return 0, 0
+        if not (path / _METADATA).is_file():
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({_METADATA})"
+            )
+        step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False)
+        if self.c.initial_load_model_only:
+            logger.info("checkpoint: started from the model weights of %s", path)
+            return 0, 0
+        return step, self._tokens_seen
+
+    def _check_config(self, path: Path) -> str | None:
+        """The saved config's [model] table against this run's (another family/flavor is another model)."""
+        config = path / _CONFIG
+        if not config.is_file():
+            return f"checkpoint {path} is partial: no {_CONFIG}"
+        try:
+            saved = load_toml(str(config))
+        except (ConfigError, OSError, ValueError) as e:
+            return f"checkpoint {path}: unreadable {_CONFIG} ({e})"
+        for key in ("name", "flavor"):
+            theirs, mine = getattr(saved.model, key), getattr(self.cfg.model, key)
+            if theirs != mine:
+                return (
+                    f"checkpoint {path} was saved by another model config: model.{key} = {theirs!r} there, "
+                    f"{mine!r} here"
+                )
+        return None
+
+    def _load_dcp(self, path: Path, model_only: bool, check_config: bool) -> int:
+        rss_before, peak_before = _rss_mib()
+        t0 = time.perf_counter()
+        error = self._check_config(path) if (check_config and self.rank == 0) else None
+        metadata = None
+        if error is None:
+            try:
+                metadata = read_metadata(path)
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                error = f"checkpoint {path}: unreadable {_METADATA} ({type(e).__name__}: {e})"
+        self._agree(error)
+        saved = metadata.state_dict_metadata
+        has_optimizer = any(k.startswith("optimizer.") for k in saved)
+        if not model_only and not has_optimizer:
+            model_only = True
+            logger.warning("checkpoint: %s holds model weights only; the optimizer state starts fresh", path)
+        state = self._template(saved, model_only)
+        self._agree(self._mismatch(path, state, saved))
+        try:
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+        except Exception as e:  # noqa: BLE001 - a missing/truncated data file: DCP raises it on every rank
+            raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}): {e}") from None
+        self.optim.load_model_state_dict(state["model"])
+        step = int(state["train_state"]["step"]) if "train_state" in state else 0
+        self._tokens_seen = int(state["train_state"]["tokens_seen"]) if "train_state" in state else 0
+        if not model_only:
+            self.optim.load_state_dict(state["optimizer"])
+            self._load_lr_scheduler(int(state["lr_scheduler"]["last_epoch"]))
+            d = state["dataloader"]
+            self.dataloader.seek(int(d["step"]), {j: d["rows"][j].tolist() for j in self.dataloader.rows})
+            mine = state.get("rng", {}).get(f"rank{self.rank}")
+            if mine is not None:
+                _set_rng_state(mine)
+        logger.info("checkpoint: loaded %s (step %d) in %.2f s", path, step, time.perf_counter() - t0)
+        self._record("load", step, rss_before, peak_before, _local_bytes(state), gather=True)
+        return step
+
+    def _template(self, saved: dict[str, Any], model_only: bool) -> dict[str, Any]:
+        """What to load into: the live state's layout (the loaded values land in it)."""
+        state: dict[str, Any] = {"model": self.optim.model_state_dict()}
+        if "train_state.step" in saved:
+            state["train_state"] = {"step": torch.tensor(0), "tokens_seen": torch.tensor(0)}
+        if model_only:
+            return state
+        state["optimizer"] = self.optim.state_dict()
+        state["lr_scheduler"] = {"last_epoch": torch.tensor(0)}
+        state["dataloader"] = {
+            "step": torch.tensor(0),
+            "rows": torch.zeros(self.global_batch_size, 3, dtype=torch.int64),
+        }
+        if f"rng.rank{self.rank}.torch" in saved:
+            rng = _rng_state()
+            state["rng"] = {f"rank{self.rank}": {k: v for k, v in rng.items() if f"rng.rank{self.rank}.{k}" in saved}}
+        return state
+
+    def _mismatch(self, path: Path, state: dict[str, Any], saved: dict[str, Any]) -> str | None:
+        """This rank's template against the checkpoint's keys, shapes and kinds; None when it fits."""
+        flat, _ = flatten_state_dict(state)
+        missing, shapes = [], []
+        for key, value in flat.items():
+            md = saved.get(key)
+            if md is None:
+                missing.append(key)
+            elif isinstance(value, torch.Tensor):
+                if not isinstance(md, TensorStorageMetadata):
+                    shapes.append(f"{key}: a tensor here, an object there")
+                elif tuple(md.size) != tuple(value.shape):
+                    shapes.append(f"{key}: {tuple(md.size)} there, {tuple(value.shape)} here")
+            elif not isinstance(md, BytesStorageMetadata):
+                shapes.append(f"{key}: an object here, a tensor there")
+        problems = []
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            problems.append(f"missing keys {missing[:5]}{more}")
+        if shapes:
+            problems.append("shape differences " + "; ".join(shapes[:5]))
+        if not problems:
+            return None
+        hint = ""
+        if any(k.startswith("dataloader.rows") for k in shapes):
+            hint = " (the data position needs the same global batch: local_batch_size x DP ranks x accumulation)"
+        return f"checkpoint {path} does not match this run: {', '.join(problems)}{hint}"
+
+    def _load_lr_scheduler(self, last_epoch: int) -> None:
+        """The schedule at `last_epoch`: each group's lr as LambdaLR.step computes it."""
+        s = self.lr_scheduler
+        s.last_epoch = last_epoch
+        s._step_count = last_epoch + 1
+        lrs = [base * fn(last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+        for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        s._last_lr = lrs
+
+    # ---------------------------------------------------------------------------------------------- end
+    def close(self, graceful: bool = True) -> None:
+        """Finish (and commit) an async save in flight; without `graceful`, leave it uncommitted."""
+        if graceful:
+            self._finish_pending()
+        self._pending = None
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "complete_steps",
+    "read_metadata",
+    "step_folders",
+    "validate_checkpoint_config",
+]
