@@ -38,8 +38,12 @@ def _comm_device(state: DMuonState) -> torch.device:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    """A full copy of `t` (a DTensor on a 1-rank mesh returns its local tensor from `full_tensor()`: copied too)."""
     t = t.detach()
-    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    if not isinstance(t, DTensor):
+        return t.clone()
+    full = t.full_tensor()
+    return full.clone() if full.untyped_storage().data_ptr() == t._local_tensor.untyped_storage().data_ptr() else full
 
 
 def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None, *, on_column: bool) -> torch.Tensor:
