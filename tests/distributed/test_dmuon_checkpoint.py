@@ -95,6 +95,7 @@ def _holdings(model, sd: dict) -> dict:
     tensor, whether it is a DTensor smaller than the full tensor."""
     from torch.distributed.tensor import DTensor
 
+    from titan_dmuon.dmuon.param import local_of
     from titan_dmuon.dmuon.state import state_of
 
     st = state_of(model, "tests")
@@ -106,9 +107,9 @@ def _holdings(model, sd: dict) -> dict:
         if dp.is_owner:
             out["owner"].add(dp.fqn)
     for fqn, v in sd["model"].items():
-        if fqn in dedicated:
+        if fqn in dedicated:  # the master: this rank's TP shard at most (a DTensor over the TP mesh under TP)
             out["model"].add(fqn)
-            assert not isinstance(v, DTensor) and v.shape == dedicated[fqn].full_shape, fqn
+            assert local_of(v).shape == dedicated[fqn]._orig_size and v.shape == dedicated[fqn].full_shape, fqn
         elif not isinstance(v, DTensor) or v.to_local().numel() >= v.numel():
             out["full_elsewhere"].append(fqn)
     for fqn, entry in sd["optimizer"]["state"].items():
@@ -147,6 +148,20 @@ def _save(rank: int, world_size: int, path: str) -> dict:
     return dict(holdings=holdings, saved=saved, after=_full(model, opt), owned=owned)
 
 
+def _save_hsdp(rank: int, world_size: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from titan_dmuon import dmuon
+
+    model, opt, dp_rank, dp_size = _build("hsdp", (2, 2))
+    for step in range(2):
+        _step(model, opt, step, dp_rank, dp_size)
+    sd = _sharded(model, opt)
+    holdings = _holdings(model, sd)
+    dcp.save(sd, checkpoint_id=path)
+    return dict(holdings=holdings, owned=[dp.fqn for dp in dmuon.get_owned_params(model)])
+
+
 def _load(rank: int, world_size: int, path: str, layout: str, shape: tuple[int, ...]) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -157,9 +172,10 @@ def _load(rank: int, world_size: int, path: str, layout: str, shape: tuple[int, 
     dcp.load(sd, checkpoint_id=path)
     dmuon.set_sharded_model_state_dict(model, sd["model"])
     dmuon.set_sharded_optimizer_state_dict(model, opt, sd["optimizer"])
+    holdings = _holdings(model, sd)
     loaded = _full(model, opt)
     _step(model, opt, SAVE_STEPS, dp_rank, dp_size)
-    return dict(loaded=loaded, after=_full(model, opt), lrs=[g["lr"] for g in opt.param_groups])
+    return dict(holdings=holdings, loaded=loaded, after=_full(model, opt), lrs=[g["lr"] for g in opt.param_groups])
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +240,11 @@ def test_load_on_another_topology(saved, name):
         assert set(got_opt["state"][fqn]) == set(entry), fqn
         for key, v in entry.items():
             assert torch.equal(torch.as_tensor(got_opt["state"][fqn][key]), torch.as_tensor(v)), (fqn, key)
+    for rank, r in enumerate(results):  # each rank asked for its share under the new ownership only
+        h = r["holdings"]
+        assert h["model"] == h["column"] and h["momentum"] == h["owner"], rank
+        if layout != "torch_ddp" and world > 1:  # DDP's share is every full tensor
+            assert h["full_elsewhere"] == [], rank
     for got, want in zip(got_opt["param_groups"], opt_sd["param_groups"], strict=True):
         assert got == want
     assert all(r["lrs"] == [g["lr"] for g in opt_sd["param_groups"]] for r in results)
@@ -238,3 +259,24 @@ def test_load_on_another_topology(saved, name):
                 assert_rel_close(got_opt["state"][fqn][key], v, 1e-6, f"{fqn}.{key}")
             else:
                 assert torch.equal(got_opt["state"][fqn][key], v), (fqn, key)
+
+
+def test_hsdp_save_writes_each_matrix_once(tmp_path):
+    """HSDP 2x2: every rank of an owner's shard column holds the matrix (DCP writes it once, from one of them),
+    only the global owner holds its momentum."""
+    path = str(tmp_path / "hsdp")
+    results = run_distributed(_save_hsdp, 4, path)
+    writers = _writers(path)
+    owner_of = {fqn: rank for rank, r in enumerate(results) for fqn in r["owned"]}
+    assert len(owner_of) == 7 * LAYERS and len(set(owner_of.values())) == 4
+    holders: dict[str, set[int]] = {}
+    for rank, r in enumerate(results):
+        h = r["holdings"]
+        assert h["momentum"] == h["owner"] == {fqn for fqn, o in owner_of.items() if o == rank}, rank
+        assert h["model"] == h["column"] and h["full_elsewhere"] == [], rank
+        for fqn in h["model"]:
+            holders.setdefault(fqn, set()).add(rank)
+    for fqn, owner in owner_of.items():
+        assert len(holders[fqn]) == 2 and owner in holders[fqn], fqn  # the owner's column: one rank per row
+        assert len(writers[f"model.{fqn}"]) == 1 and writers[f"model.{fqn}"] <= holders[fqn], fqn
+        assert writers[f"optimizer.state.{fqn}.momentum_buffer"] == {owner}, fqn
