@@ -16,6 +16,12 @@ Triton needs a GPU (its interpreter is for tests, not timing).
     python3 scripts/bench_ns.py --scale 1 --repeats 1    # CPU: the real shapes (minutes per shape)
     python3 scripts/bench_ns.py --models 8B --batch 8    # on a GPU: real shapes, torch and Triton
 
+`--check` first runs the Triton kernels on `--device` against float64 (the checks of
+tests/unit/dmuon/test_ns_triton.py, which run them under the CPU interpreter, here on the real GPU: square, ragged,
+tall, wide and batched/strided products in fp32/bf16/fp16, each operand precision, the full product, the whole NS
+against tests/reference.py) and prints PASS/FAIL per check and what `kernel="auto"` resolves to
+(`get_ns_backend`); on CPU it needs TRITON_INTERPRET=1. `--check-only` stops there.
+
 Prints a table and one summary line `bench_ns ...: speed-up of gram over direct Ax, of batched over one-by-one Bx,
 of triton over torch Cx` (time of the first over time of the second, summed over every shape).
 """
@@ -36,11 +42,12 @@ if REPO_ROOT not in sys.path:
 
 from titan_dmuon.dmuon.newton_schulz import (  # noqa: E402
     default_ns_dtype,
+    get_ns_backend,
     ns_flops,
     orthogonalize_stack,
     zeropower_via_newtonschulz,
 )
-from titan_dmuon.dmuon.ns_ops import triton_unusable  # noqa: E402
+from titan_dmuon.dmuon.ns_ops import resolve_kernel, triton_unusable  # noqa: E402
 
 # (short, long) of each distinct Muon matrix of a Llama-3 block: dim, kv width (8 heads x 128), ffn hidden
 LLAMA3 = {
@@ -52,6 +59,94 @@ LLAMA3 = {
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_kernels(device: torch.device) -> bool:
+    """The Triton kernels on `device` against float64 references (tolerances of tests/unit/dmuon/test_ns_triton.py);
+    prints one PASS/FAIL line per check and what kernel="auto" picks; True when every check passed."""
+    from tests.reference import reference_ns
+    from titan_dmuon.dmuon import kernels
+
+    syrk, why = kernels.load()
+    if syrk is None or triton_unusable(device, torch.float32):
+        print(f"kernel check: SKIP ({why or triton_unusable(device, torch.float32)})")
+        return True
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    checks: list[tuple[str, float, float]] = []  # (what, error, bound)
+    shapes = {"square": (64, 64), "square-ragged": (150, 150), "tall": (150, 40), "wide": (40, 150)}
+    shapes["ragged"] = (130, 200)
+    big = not syrk.INTERPRETED  # GPU-sized cases only where they run at GPU speed
+    if big:
+        shapes["multi-tile"] = (300, 700)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for name, shape in shapes.items():
+            x = randn(*shape, dtype=dtype)
+            got = syrk.sym_matmul(x, out_dtype=torch.float32)
+            err = _rel(got, x.double() @ x.double().T)
+            checks.append((f"syrk {name} {shape} {str(dtype)[6:]}", err, 1e-6))
+            checks.append((f"  symmetric {name} {str(dtype)[6:]}", float(not torch.equal(got, got.T)), 0.5))
+        x = randn(3, 200, 70, dtype=dtype).mT
+        got = syrk.sym_matmul(x, out_dtype=torch.float32)
+        checks.append((f"syrk batched+strided {str(dtype)[6:]}", _rel(got, x.double() @ x.double().mT), 1e-6))
+    rounders = {
+        "bf16": lambda t: t.bfloat16().double(),
+        "fp16": lambda t: t.half().double(),
+        "ieee": lambda t: t.double(),
+    }
+    n = 150
+    a = randn(2, n, 90)
+    a = (a @ a.mT) / 90
+    b = 0.5 * torch.eye(n, device=device) + 0.3 * a - 0.2 * (a @ a)
+    b = (b + b.mT) / 2
+    c = randn(2, n, n)
+    c = c + c.mT
+    for precision, rnd in rounders.items():
+        got = syrk.sym_matmul(a, b, alpha=0.7, beta=-1.5, c=c, gamma=3.0, out_dtype=torch.float32, precision=precision)
+        full = 0.7 * rnd(a) @ rnd(b) - 1.5 * c.double() + 3.0 * torch.eye(n, dtype=torch.float64, device=device)
+        want = torch.tril(full) + torch.tril(full, -1).mT
+        checks.append((f"symmetric product at {precision}", _rel(got, want), 1e-6))
+    a, b, c = randn(2, 130, 130), randn(2, 130, 130), randn(2, 130, 130)
+    got = syrk.sym_matmul(a, b, beta=0.5, c=c, gamma=2.0, out_dtype=torch.float32, symmetric=False)
+    want = a.double() @ b.double().mT + 0.5 * c.double() + 2.0 * torch.eye(130, dtype=torch.float64, device=device)
+    checks.append(("full product", _rel(got, want), 1e-6))
+    for formulation in ("direct", "gram"):
+        for coefficients in ("polar_express", "muon"):
+            for shape in ((24, 72), (72, 24), (2, 40, 72)) + (((512, 1536),) if big else ()):
+                G = randn(*shape)
+                got = zeropower_via_newtonschulz(
+                    G, coefficients=coefficients, dtype=torch.float32, formulation=formulation, kernel="triton"
+                )
+                err = max(
+                    _rel(o, reference_ns(g, coefficients, 5, 1e-7, dtype=torch.float32))
+                    for g, o in zip(G.reshape(-1, *shape[-2:]), got.reshape(-1, *shape[-2:]), strict=True)
+                )
+                checks.append((f"NS fp32 triton {formulation} {coefficients} {shape}", err, 2e-5))
+        G = torch.randn(40, 96, generator=torch.Generator().manual_seed(6)).to(device)  # the unit test's input
+        exact = reference_ns(G.double(), "polar_express", 5, 1e-7, dtype=torch.float64)
+        got = zeropower_via_newtonschulz(G, dtype=torch.bfloat16, formulation=formulation, kernel="triton")
+        checks.append((f"NS bf16 triton {formulation} vs exact", _rel(got, exact), 3e-2))
+    ok = True
+    for what, err, bound in checks:
+        good = err < bound  # NaN fails
+        ok = ok and good
+        print(f"kernel check {'PASS' if good else 'FAIL'} {what}: error {err:.2e} (bound {bound:g})")
+    for dtype in (torch.bfloat16, torch.float32):
+        for formulation in ("direct", "gram"):
+            print(
+                f"get_ns_backend({device.type}, {str(dtype)[6:]}, auto, {formulation}): "
+                f"{get_ns_backend(device, dtype, 'auto', formulation)}; kernel='auto' resolves to "
+                f"{resolve_kernel('auto', device, dtype)!r}"
+            )
+    print(f"kernel check: {'PASS' if ok else 'FAIL'} ({sum(e < b for _, e, b in checks)}/{len(checks)} checks)")
+    return ok
 
 
 def bench_shape(shape, args, device, dtype, kernels) -> list[dict]:
@@ -114,6 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--coefficients", default="polar_express", choices=("polar_express", "muon"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--check", action="store_true", help="first check the Triton kernels on --device (see above)")
+    p.add_argument("--check-only", action="store_true", help="only the kernel check")
     p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16"), help="NS dtype (default: device's)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.repeats < 1 or args.scale < 0:
@@ -125,6 +222,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else default_ns_dtype(device)
+    if args.check or args.check_only:
+        ok = check_kernels(device)
+        if args.check_only:
+            sys.exit(0 if ok else 1)
     scale = args.scale or (1 if device.type == "cuda" else 16)
     why = triton_unusable(device, dtype) if device.type == "cuda" else "Triton needs a GPU"
     kernels = ["torch"] + ([] if why else ["triton"])

@@ -37,12 +37,19 @@ DMuon Z3 resident/ideal: after the last step, per rank, bytes of the fp32 master
 allocated (the storage behind the dedicated params); max over ranks divided by 2 x 4 x P_M / N (fp32 params +
 momentum of all dedicated matrices, spread evenly).
 
+--device cuda runs the ranks on NCCL, rank r on cuda:r (one rank per GPU), with TF32 matmuls for the model
+(the NS runs in DMuon's CUDA default, bf16), and synchronizes the GPU before each phase's clock. --trace DIR
+then records --trace-steps more DMuon steps per rank with torch.profiler (CPU ops, and CUDA kernels on a GPU)
+as DIR/dmuon_rank{r}.json, a chrome trace that scripts/trace_overlap.py reads (communication overlapped with
+compute).
+
 Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank):
 
     python3 scripts/bench_step.py                      # N=4, d=256, ff=1024, 4 layers, batch 8, 10 steps
     python3 scripts/bench_step.py --nproc 2 --z2       # also DMuon-Z2
     python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
+    python3 scripts/bench_step.py --device cuda --nproc 1 --d 2048 --ff 8192 --batch 4096 --trace /tmp/trace
 """
 
 from __future__ import annotations
@@ -74,14 +81,19 @@ ADAMW_LR, ADAMW_BETAS, ADAMW_EPS, ADAMW_WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
 # ---- model and data (the quick start's TinyMLP) ---------------------------------------------------------
+def rank_device(args: argparse.Namespace) -> torch.device:
+    """CPU, or this rank's GPU (cuda:LOCAL_RANK) with --device cuda."""
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
+
+
 def make_model(args: argparse.Namespace) -> TinyMLP:
     torch.manual_seed(0)  # identical init on every rank and for every configuration
-    return TinyMLP(args.d, args.ff, args.layers)
+    return TinyMLP(args.d, args.ff, args.layers).to(rank_device(args))
 
 
 def make_batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(args.batch, args.d, generator=g)
+    return torch.randn(args.batch, args.d, generator=g).to(rank_device(args))
 
 
 def shard_all(model: TinyMLP, mesh) -> None:
@@ -144,16 +156,27 @@ def build_adamw(mesh, args: argparse.Namespace):
 
 
 # ---- measurement -----------------------------------------------------------------------------------------
+def _sync(x: torch.Tensor) -> None:
+    """Wait for the GPU's queued work (a no-op on CPU), so that host clocks time the device's work."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """One training step after a barrier; returns the loss and [total, fwd, bwd, step, Muon NS] seconds."""
+    """One training step after a barrier; returns the loss and [total, fwd, bwd, step, Muon NS] seconds. On a
+    GPU each phase ends with a device synchronize (the phases cannot overlap each other's kernels)."""
     dist.barrier()
+    _sync(x)
     t0 = time.perf_counter()
     loss = model(x)
+    _sync(x)
     t1 = time.perf_counter()
     loss.backward()
+    _sync(x)
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad()
+    _sync(x)
     t3 = time.perf_counter()
     ns = getattr(opt, "last_step_stats", {}).get("ns_time_s", 0.0)  # the Muon optimizers' own NS timer
     return loss.detach(), [t3 - t0, t1 - t0, t2 - t1, t3 - t2, ns]
@@ -176,9 +199,9 @@ def run_interleaved(runs: dict, args: argparse.Namespace, rank: int) -> dict:
             if step >= args.warmup:
                 if name in ledgers:
                     ledgers[name].append(dmuon.comm_stats(model)["elements"])
-                t = torch.tensor(phases, dtype=torch.float64)
+                t = torch.tensor(phases, dtype=torch.float64, device=x.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                sums[name] += t
+                sums[name] += t.cpu()
     results = {}
     for name in runs:
         loss = losses[name].clone()
@@ -210,7 +233,7 @@ def dmuon_resident_ratio(model: nn.Module, opt: torch.optim.Optimizer, world: in
         if st.nbytes():
             storages[st.data_ptr()] = st.nbytes()
     resident += sum(storages.values())
-    t = torch.tensor([resident], dtype=torch.float64)
+    t = torch.tensor([resident], dtype=torch.float64, device=rank_device(_ARGS))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     p_m = sum(dp.numel for dp in dedicated_params(model, world))
     return t.item() / (2 * 4 * p_m / world)
@@ -229,7 +252,7 @@ def naive_resident_ratio(model: nn.Module, opt: NaiveMuon, world: int) -> float:
             if buf is not None:
                 resident += buf.numel() * buf.element_size()
             p_m += p.numel()
-    t = torch.tensor([resident], dtype=torch.float64)
+    t = torch.tensor([resident], dtype=torch.float64, device=rank_device(_ARGS))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item() / (2 * 4 * p_m / world)
 
@@ -242,7 +265,7 @@ def hsdp_checks(runs: dict, results: dict, mesh2d, world: int) -> dict:
     same_loss = torch.equal(s["local_loss"], a["local_loss"])
     ts, ta = states["hsdp_sync"], states["hsdp_async"]
     same_state = ts.keys() == ta.keys() and all(torch.equal(ts[k], ta[k]) for k in ts)
-    flags = torch.tensor([int(same_loss), int(same_state)])
+    flags = torch.tensor([int(same_loss), int(same_state)], device=rank_device(_ARGS))
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     dps = dedicated_params(runs["hsdp_sync"][0], world)
     mine = dict(
@@ -262,16 +285,42 @@ def hsdp_checks(runs: dict, results: dict, mesh2d, world: int) -> dict:
     return dict(loss_bitwise=bool(flags[0]), state_bitwise=bool(flags[1]), ranks=per_rank)
 
 
+def trace_dmuon(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace, rank: int) -> str:
+    """--trace-steps more DMuon steps under torch.profiler; the chrome trace's path."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(args.trace_steps):
+            with record_function(f"dmuon_step_{i}"):
+                timed_step(model, opt, make_batch(args.warmup + args.steps + i, rank, args))
+    os.makedirs(args.trace, exist_ok=True)
+    path = os.path.join(args.trace, f"dmuon_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    return path
+
+
+_ARGS: argparse.Namespace  # this rank's arguments (set by `worker`): the device of the helpers' collectives
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    global _ARGS
+    _ARGS = args
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = rank_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # the model's fp32 matmuls on tensor cores (NS: bf16)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh, mesh2d = init_device_mesh("cpu", (world,)), None
+        mesh, mesh2d = init_device_mesh(device.type, (world,)), None
         builders: list[tuple[str, Callable]] = [("dmuon", lambda: build_dmuon(mesh, args, z3=True))]
         if args.z2:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
@@ -280,7 +329,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             ("fsdp2_adamw", lambda: build_adamw(mesh, args)),
         ]
         if args.hsdp:
-            mesh2d = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
+            shape2d = (args.hsdp, world // args.hsdp)
+            mesh2d = init_device_mesh(device.type, shape2d, mesh_dim_names=("replicate", "shard"))
             builders += [
                 ("hsdp_sync", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=False)),
                 ("hsdp_async", lambda: build_dmuon_hsdp(mesh2d, args, replicate_async=True)),
@@ -296,9 +346,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             elif name == "naive_fsdp2_muon":
                 resident[name] = naive_resident_ratio(model, opt, world)
         load = (load_before, os.getloadavg()[0])
+        trace = trace_dmuon(*runs["dmuon"], args, rank) if args.trace else None
         dist.barrier()
         if rank == 0:
             report(results, resident, load, world, args, hsdp)
+            if trace:
+                print(f"trace of {args.trace_steps} DMuon steps: {trace} (one file per rank)", flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -363,8 +416,13 @@ def report(
     results: dict, resident: dict, load: tuple, world: int, args: argparse.Namespace, hsdp: dict | None = None
 ) -> None:
     ms = 1e3
+    where = (
+        f"N={world} NCCL ranks on {torch.cuda.get_device_name()} GPUs (TF32 matmuls)"
+        if args.device == "cuda"
+        else f"N={world} gloo ranks x 1 thread on {os.cpu_count()} CPUs"
+    )
     print(
-        f"bench_step: N={world} gloo ranks x 1 thread on {os.cpu_count()} CPUs, d={args.d} ff={args.ff} "
+        f"bench_step: {where}, d={args.d} ff={args.ff} "
         f"layers={args.layers} batch={args.batch}; {args.steps} timed steps after {args.warmup} warmup, configs "
         f"interleaved step by step; per step max over ranks, then mean"
     )
@@ -424,6 +482,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ff", type=int, default=1024, help="MLP hidden width (default 1024)")
     p.add_argument("--layers", type=int, default=4, help="number of blocks (default 4)")
     p.add_argument("--batch", type=int, default=8, help="rows of input per rank (default 8)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, a GPU per rank)")
+    p.add_argument("--trace", default="", metavar="DIR", help="also write a torch.profiler chrome trace per rank here")
+    p.add_argument("--trace-steps", type=int, default=3, help="DMuon steps in the trace (default 3)")
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")
     p.add_argument(
         "--hsdp",
@@ -435,6 +496,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nproc < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--nproc and --steps must be >= 1, --warmup >= 0")
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        p.error(f"--device cuda puts one rank on each GPU: --nproc {args.nproc} > {torch.cuda.device_count()} GPUs")
     if args.hsdp and (args.hsdp < 1 or args.nproc % args.hsdp):
         p.error(f"--hsdp R must be >= 1 and divide --nproc ({args.nproc}); got {args.hsdp}")
     return args

@@ -2,6 +2,10 @@
 
 Why spawn: each rank is a fresh interpreter, exactly like torchrun; no mocked collectives.
 The target must be a module-level function (importable by the children).
+
+`TITAN_DMUON_TEST_BACKEND=nccl` runs the same ranks on NCCL, rank r on `cuda:r` (NCCL cannot put two ranks on
+one GPU: at most one rank per visible GPU), with TF32 off so fp32 matmuls stay fp32; `rank_device()` is the
+device a rank builds its model and batches on (scripts/gpu_check.sh runs the parity tests this way).
 """
 
 from __future__ import annotations
@@ -19,6 +23,40 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+ENV_BACKEND = "TITAN_DMUON_TEST_BACKEND"
+
+
+def backend_name() -> str:
+    """ "gloo" (default) or "nccl", from TITAN_DMUON_TEST_BACKEND."""
+    backend = os.environ.get(ENV_BACKEND, "gloo").strip().lower() or "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"{ENV_BACKEND}={backend!r}: use 'gloo' (CPU) or 'nccl' (one CUDA GPU per rank)")
+    return backend
+
+
+def rank_device():
+    """This rank's device: CPU on gloo, `cuda:LOCAL_RANK` on nccl."""
+    import torch
+
+    if backend_name() == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor in it (dicts, lists, tuples) moved to CPU: results cross to the parent on CPU."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(to_cpu(v) for v in obj)
+    return obj
 
 
 def free_port() -> int:
@@ -44,8 +82,17 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = backend_name()
+        if backend == "nccl":
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products in fp32, as the CPU reference
+            torch.backends.cudnn.allow_tf32 = False
+            torch.cuda.set_device(rank_device())
+            dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=rank_device())
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        if backend == "nccl":
+            result = to_cpu(result)
         dist.barrier()  # no rank tears down while another still talks to it
         with open(path, "wb") as f:
             pickle.dump(("ok", result), f)
@@ -77,12 +124,19 @@ def _dump_stacks_and_kill(ctx: mp.ProcessContext, outdir: str) -> str:
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks (NCCL ones with
+    TITAN_DMUON_TEST_BACKEND=nccl); return each rank's result, its tensors on CPU.
 
     A run still going after ``timeout`` seconds (a hang: a collective one rank never joins) fails with the
     stack of every rank still running, and no rank outlives the call."""
     if kwargs:
         fn = functools.partial(fn, **kwargs)
+    if backend_name() == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); {gpus} visible")
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,

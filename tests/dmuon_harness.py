@@ -5,13 +5,17 @@ and records per step what the parity checks compare with the single-process refe
 grad norm (before the step) and the owners' momentum buffers (after it).
 
 NS normalizes its input, so a grad reduced with the wrong scale (SUM instead of AVG) leaves losses and
-weights almost unchanged: only the grad norms and the momentum buffers show it."""
+weights almost unchanged: only the grad norms and the momentum buffers show it.
+
+Under TITAN_DMUON_TEST_BACKEND=nccl (tests/_dist.py) the ranks build on `cuda:rank` with fp32 Newton-Schulz
+(DMuon's CUDA default is bf16; the reference's is fp32) and the parity tolerance is `parity_rtol()`."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from tests._dist import backend_name, rank_device
 from tests.reference import (
     assert_rel_close,
     fp32_torch_muon,
@@ -33,6 +37,9 @@ HP = dict(
     adamw_eps=1e-8,
     adamw_weight_decay=0.01,
 )
+# Norm-wise relative tolerance of the parity checks per backend: on CUDA (TF32 off, fp32 NS) cuBLAS sums its
+# products in another order than the CPU reference, ~1e-7 per product, which 8 steps of training compound.
+PARITY_RTOL = {"gloo": 1e-5, "nccl": 1e-4}
 # The Muon settings the layout tests run with; `options` (see `muon_kwargs`) override them.
 MUON_DEFAULTS = dict(nesterov=True, ns_coefficients="muon", adjust_lr_fn="original")
 
@@ -42,6 +49,11 @@ def muon_kwargs(options: dict | None = None) -> dict:
     `options["groups"]` lists per-group overrides `{"match": name substring, **keys}` (see
     tests.reference.reference_optimizers); `build_muon` turns them into dmuon.Muon's `param_groups`."""
     return {**HP, **MUON_DEFAULTS, **(options or {})}
+
+
+def parity_rtol() -> float:
+    """The parity tolerance of this run's backend (PARITY_RTOL)."""
+    return PARITY_RTOL[backend_name()]
 
 
 def reference(world_size: int, steps: int, options: dict | None = None, micro: int = 1) -> dict:
@@ -78,26 +90,27 @@ def build(layout: str, mesh_shape: tuple[int, ...], *, z3: bool = True, replicat
     from titan_dmuon import dmuon
 
     torch.manual_seed(0)
-    model = TinyMLP(D, FF, LAYERS)
+    device = rank_device()
+    model = TinyMLP(D, FF, LAYERS).to(device)  # initialized on CPU: the reference's init on every backend
     if layout == "fsdp":
-        mesh = init_device_mesh("cpu", mesh_shape)
+        mesh = init_device_mesh(device.type, mesh_shape)
         owners = dmuon.dedicate_params(model, mesh, proj_predicate, reshard_after_forward=z3)
         fsdp_mesh = mesh
     elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))
         owners = dmuon.dedicate_params(
             model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"], reshard_after_forward=z3
         )
         fsdp_mesh = mesh
     elif layout == "ddp":
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp",))
         owners = dmuon.dedicate_params_ddp(model, mesh, proj_predicate)
         dmuon.replicate(model, mesh)
         fsdp_mesh = None
     elif layout == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp",))
         owners = dmuon.dedicate_params_ddp(model, mesh, proj_predicate)
         model = DistributedDataParallel(model, process_group=mesh.get_group())
         fsdp_mesh = None
@@ -125,6 +138,8 @@ def build_muon(model, options: dict | None = None, **extra):
     from titan_dmuon import dmuon
 
     kwargs = muon_kwargs(options)
+    if rank_device().type == "cuda":
+        extra.setdefault("ns_dtype", torch.float32)  # the reference's NS dtype (DMuon's CUDA default is bf16)
     groups = kwargs.pop("groups", ())
     matched = match_groups(model.named_parameters(), groups)
     param_groups = [
@@ -170,9 +185,11 @@ def merge_momentum(per_rank: list[dict[str, tuple]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_matches_reference(results: list[dict], ref: dict, rtol: float = 1e-5) -> None:
+def assert_matches_reference(results: list[dict], ref: dict, rtol: float | None = None) -> None:
     """Every rank's losses and global grad norms, rank 0's full state dict and every step's owners' momentum
-    buffers (merged over ranks) against the reference, at `rtol` (norm-wise for tensors)."""
+    buffers (merged over ranks) against the reference, at `rtol` (norm-wise for tensors; default
+    `parity_rtol()`)."""
+    rtol = parity_rtol() if rtol is None else rtol
     steps = len(ref["losses"])
     for i, r in enumerate(results):
         torch.testing.assert_close(
@@ -198,7 +215,7 @@ def check_i1_i2_i3(model, owners, layout: str) -> None:
     owner only and no `param.grad` left on any rank (under torch DDP: DDP did not reduce them as well)."""
     st = dmuon_state(model)
     me = (st.shard_rank, st.replicate_rank)
-    flags = torch.tensor([int(dp.is_owner) for dp in st.dparams])
+    flags = torch.tensor([int(dp.is_owner) for dp in st.dparams], device=rank_device())
     dist.all_reduce(flags)
     assert flags.tolist() == [1] * len(st.dparams), "I1: every param needs exactly one global owner"
     for dp in st.dparams:
@@ -249,7 +266,7 @@ def train(
         loss = 0.0
         for m in range(micro):
             with _no_sync(model, no_sync[step % len(no_sync)] if m < micro - 1 else "none"):
-                micro_loss = model(batch(step * micro + m, rank, B, D))
+                micro_loss = model(batch(step * micro + m, rank, B, D).to(rank_device()))
                 (micro_loss / micro if micro > 1 else micro_loss).backward()
             loss = loss + micro_loss.detach() / micro
         if check_every_step:

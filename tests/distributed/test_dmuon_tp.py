@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_distributed
+from tests._dist import rank_device, run_distributed
 from tests.dmuon_harness import HP, build_muon, merge_momentum, owner_momentum, shard_blocks
 from tests.reference import assert_rel_close, fp32_torch_muon, grad_norm, momentum_buffers, reference_optimizers
 from tests.tiny_models import TinyLlama, apply_llama_tp, proj_predicate, seq_batch
@@ -57,23 +57,24 @@ def _train(
     from titan_dmuon import dmuon
 
     torch.manual_seed(0)
-    model = TinyLlama(D, FF, HEADS, LAYERS)
+    device = rank_device()  # CPU, or cuda:rank under TITAN_DMUON_TEST_BACKEND=nccl
+    model = TinyLlama(D, FF, HEADS, LAYERS).to(device)
     if layout == "plain":  # 1D DMuon, no TP at all
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp",))
         dmuon.dedicate_params(model, mesh, proj_predicate)
         fsdp_mesh, dp_mesh = mesh, mesh
     elif layout == "dp_tp":
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
         apply_llama_tp(model, mesh["tp"])
         dmuon.dedicate_params(model, mesh["dp"], proj_predicate, tp_buffer_reuse=tp_buffer_reuse)
         fsdp_mesh = dp_mesh = mesh["dp"]
     elif layout == "3d":
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard", "tp"))
         apply_llama_tp(model, mesh["tp"])
         dmuon.dedicate_params(model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"])
         fsdp_mesh = dp_mesh = mesh["replicate", "shard"]
     elif layout == "ddp_tp":
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
         apply_llama_tp(model, mesh["tp"])
         dmuon.dedicate_params_ddp_tp(model, mesh["dp"], proj_predicate)
         dmuon.replicate_tp(model, mesh["dp"])
@@ -89,7 +90,7 @@ def _train(
     st = model._dmuon_state
     losses, ns_calls, norms, momentum = [], [], [], []
     for step in range(STEPS):
-        loss = model(seq_batch(step, dp_rank, B, T, D))
+        loss = model(seq_batch(step, dp_rank, B, T, D).to(device))
         loss.backward()
         norms.append(dmuon.clip_grad_norm_(model, opt, max_norm=float("inf")).item())  # global norm, never clips
         for dp in st.dparams:  # I3 per TP coordinate: the DP owner of each shard holds its grad
