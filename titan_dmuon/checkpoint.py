@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
@@ -516,7 +517,7 @@ class CheckpointManager:
         self._agree(self._mismatch(path, state, saved))
         try:
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
-        except Exception as e:  # noqa: BLE001 - a missing/truncated data file: DCP raises it on every rank
+        except (Exception, CheckpointException) as e:  # a missing/truncated file (DCP raises it on every rank)
             raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}): {e}") from None
         self.optim.load_model_state_dict(state["model"])
         step = int(state["train_state"]["step"]) if "train_state" in state else 0
