@@ -459,16 +459,7 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
         if any(path.glob("*.safetensors")):
-            from titan_dmuon.hf import load_hf_weights
-
-            sd = self.optim.model_state_dict()
-            try:
-                load_hf_weights(sd, path, self.optim.spec.state_dict_adapter)
-            except (KeyError, ValueError, OSError) as e:
-                raise CheckpointError(f"checkpoint.initial_load_path {path}: {e}") from None
-            self.optim.load_model_state_dict(sd)
-            logger.info("checkpoint: started from the Hugging Face weights in %s", path)
-            return 0, 0
+            return self._initial_load_hf(path)
         if not (path / _METADATA).is_file():
             raise CheckpointError(
                 f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({_METADATA})"
@@ -478,6 +469,27 @@ class CheckpointManager:
             logger.info("checkpoint: started from the model weights of %s", path)
             return 0, 0
         return step, self._tokens_seen
+
+    def _initial_load_hf(self, path: Path) -> tuple[int, int]:
+        """The weights of a Hugging Face folder, each rank reading its share (titan_dmuon/hf.py)."""
+        from titan_dmuon.hf import load_hf_weights
+
+        spec = self.optim.spec
+        if spec.state_dict_adapter is None:
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} is a Hugging Face folder, but the model family {spec.name!r} "
+                "has no Hugging Face adapter (ModelSpec.state_dict_adapter)"
+            )
+        sd = self.optim.model_state_dict()
+        error = None
+        try:
+            load_hf_weights(sd, path, spec.state_dict_adapter(self.optim.model))
+        except (KeyError, ValueError, OSError) as e:  # the same on every rank, or named by the rank that saw it
+            error = f"checkpoint.initial_load_path {path}: {e}"
+        self._agree(error)
+        self.optim.load_model_state_dict(sd)
+        logger.info("checkpoint: started from the Hugging Face weights in %s", path)
+        return 0, 0
 
     def _check_config(self, path: Path) -> str | None:
         """The saved config's [model] table against this run's (another family/flavor is another model)."""

@@ -336,3 +336,49 @@ def test_memory_while_saving_and_loading_on_4_ranks(runs):
                 f"{r['peak_after_mib']} MiB after (+{max(grew, 0):.1f}), state share {r['state_share_mib']} MiB"
             )
             assert grew <= r["state_share_mib"] + 32, r
+
+
+def test_initial_load_path(runs, tmp_path):
+    """checkpoint.initial_load_path into an empty checkpoint folder: a DCP step folder in full continues like a
+    resume; its model weights alone, and the same weights converted to a Hugging Face folder, start two runs
+    that are the same run (a fresh optimizer and schedule from step 1 on the trained weights)."""
+    straight = runs.straight("1proc")
+    step5 = straight / "checkpoint" / "step-5"
+    full = tmp_path / "full"
+    _ok(
+        launch(
+            "1proc", full, "--checkpoint.initial_load_path", str(step5), "--checkpoint.initial_load_model_only", "false"
+        )
+    )
+    assert_same_steps(read_scalars(full / "tb"), read_scalars(straight / "tb"), range(6, STEPS + 1), rtol=0)
+
+    weights = read_scalars(
+        _ok_dump(launch("1proc", tmp_path / "weights", "--checkpoint.initial_load_path", str(step5)))
+    )
+    fresh = read_scalars(straight / "tb")
+    assert weights["loss/train"][1] < fresh["loss/train"][1] - 0.1  # trained weights, not the seeded init
+
+    pytest.importorskip("safetensors")
+    script = REPO / "scripts" / "convert_checkpoint.py"
+    if not script.is_file():
+        pytest.skip("scripts/convert_checkpoint.py is not there")
+    hf = tmp_path / "hf"
+    _ok(
+        subprocess.run(
+            [sys.executable, str(script), str(step5), str(hf)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
+    assert list(hf.glob("*.safetensors"))
+    from_hf = read_scalars(_ok_dump(launch("1proc", tmp_path / "from_hf", "--checkpoint.initial_load_path", str(hf))))
+    assert_same_steps(from_hf, weights, range(1, STEPS + 1), rtol=0)
+
+
+def _ok_dump(proc: subprocess.CompletedProcess) -> Path:
+    """The TensorBoard folder of a successful launch."""
+    _ok(proc)
+    return Path(proc.args[proc.args.index("--job.dump_folder") + 1]) / "tb"
