@@ -51,6 +51,10 @@ class StateDictAdapter(Protocol):
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]: ...
 
+    def check_hf_config(self, config: dict[str, Any]) -> None:
+        """ValueError when a folder's config.json describes a model the conversion would get wrong."""
+        ...
+
 
 def _safetensors():
     try:
@@ -199,7 +203,12 @@ def load_hf_weights(model_sd: dict[str, torch.Tensor], folder: str | os.PathLike
     folder = Path(folder)
     weight_map = hf_weight_map(folder)
     config_path = folder / CONFIG_NAME
-    tied = config_path.exists() and bool(json.loads(config_path.read_text()).get("tie_word_embeddings", False))
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    try:
+        adapter.check_hf_config(config)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}: the model config (flavor) does not match {config_path}") from None
+    tied = bool(config.get("tie_word_embeddings", False))
 
     sources, missing = {}, []
     for fqn in model_sd:

@@ -67,7 +67,12 @@ class Llama3StateDictAdapter:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> Llama3StateDictAdapter:
-        """The adapter for a built Transformer (on meta, materialized or parallelized: only its args are read)."""
+        """The adapter for a built Transformer (on meta, materialized or parallelized, or inside a wrapper with
+        `.module` such as DistributedDataParallel: only its args are read)."""
+        while not hasattr(model, "args") and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        if not isinstance(getattr(model, "args", None), ModelArgs):
+            raise TypeError(f"expected a llama3 Transformer (with ModelArgs .args), got {type(model).__name__}")
         return cls(model.args)
 
     def to_hf_name(self, fqn: str) -> str:
@@ -121,6 +126,14 @@ class Llama3StateDictAdapter:
             if fqn is not None:
                 out[fqn] = self.from_hf(fqn, tensor)
         return out
+
+    def check_hf_config(self, config: dict[str, Any]) -> None:
+        """ValueError when a folder's config.json has other head counts than ours: the shapes could still agree
+        (the same width in more, narrower heads), but the q/k permutation, done per head, would be wrong."""
+        ours = self.hf_config()
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+            if config.get(key) is not None and config[key] != ours[key]:
+                raise ValueError(f"{key} is {config[key]} in config.json but {ours[key]} in the model")
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """config.json for `LlamaForCausalLM` with this configuration's shapes. Plain RoPE (no Llama 3.1 scaling),

@@ -60,6 +60,11 @@ def test_names_round_trip_and_match_transformers():
     assert sorted(hf_sd) == sorted(hf_names)
     for k, t in model.state_dict().items():
         assert tuple(hf_sd[adapter.to_hf_name(k)].shape) == tuple(t.shape), k
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # a DistributedDataParallel-style wrapper
+    assert SPEC.state_dict_adapter(wrapped).args is model.args
+    with pytest.raises(TypeError, match="expected a llama3 Transformer"):
+        SPEC.state_dict_adapter(torch.nn.Linear(2, 2))
     with pytest.raises(KeyError, match="no Hugging Face name"):
         adapter.to_hf_name("layers.0.attention.wz.weight")
 
@@ -143,9 +148,16 @@ def test_errors(tmp_path, monkeypatch):
     export_hf(sd, tmp_path / "a", adapter)
     with pytest.raises(FileExistsError, match="holds HF weights already"):
         export_hf(sd, tmp_path / "a", adapter)
-    other = _tiny(n_kv_heads=None)  # wk/wv with 4 heads: another shape
-    with pytest.raises(ValueError, match=r"layers.0.attention.wk.weight\) has shape \[32, 64\] but the model's is"):
+    other = build_model("tinymodel", vocab_size=VOCAB + 1, max_seq_len=32, n_kv_heads=2)  # meta
+    with pytest.raises(ValueError, match=r"\(our tok_embeddings.weight\) has shape \[97, 64\] but the model's is"):
         load_hf_weights(other.state_dict(), tmp_path / "a", SPEC.state_dict_adapter(other))
+    other = _tiny(n_kv_heads=None)  # 4 kv heads
+    with pytest.raises(ValueError, match="num_key_value_heads is 2 in config.json but 4 in the model"):
+        load_hf_weights(other.state_dict(), tmp_path / "a", SPEC.state_dict_adapter(other))
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**config, "num_attention_heads": 8, "head_dim": 8}))
+    with pytest.raises(ValueError, match="num_attention_heads is 8 in config.json but 4 in the model"):
+        load_hf_weights(sd, tmp_path / "a", adapter)
     monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(ImportError, match="pip install safetensors"):
         export_hf(sd, tmp_path / "b", adapter)
