@@ -346,11 +346,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             elif name == "naive_fsdp2_muon":
                 resident[name] = naive_resident_ratio(model, opt, world)
         load = (load_before, os.getloadavg()[0])
-        trace = trace_dmuon(*runs["dmuon"], args, rank) if args.trace else None
         dist.barrier()
         if rank == 0:
             report(results, resident, load, world, args, hsdp)
-            if trace:
+        if args.trace:  # after the report: a profiler that fails on this machine costs the trace alone
+            trace = trace_dmuon(*runs["dmuon"], args, rank)
+            if rank == 0:
                 print(f"trace of {args.trace_steps} DMuon steps: {trace} (one file per rank)", flush=True)
     finally:
         dist.destroy_process_group()
