@@ -10,8 +10,9 @@ are the keys `model.<fqn>` (titan_dmuon/checkpoint.py saves them so). The model 
 TOML saved with the checkpoint (`config.toml` in the step folder or its parent), else `--config PATH`, else the
 defaults; any `--section.field value` of train.py overrides it (`--model.flavor 8B`). The vocabulary size is read
 from the checkpoint's tensors. No process group is started: tensors are read from the checkpoint in groups of
-at most `--max-shard-size` bytes and written as safetensors shards of at most that size, so a 70B model converts
-in a few GiB of memory (`--format torch` writes one file and so holds the whole model; so does `--format dcp`).
+at most `--max-shard-size` bytes and written as safetensors shards of at most that size, so memory stays within
+a few times the larger of that size and the largest tensor, whatever the model's size (`--format torch` writes
+one file and so holds the whole model; so does `--format dcp`).
 Errors (not a checkpoint, another model configuration) print one line and exit 2.
 """
 
