@@ -295,7 +295,7 @@ if __name__ == "__main__":  # the ranks are spawned: they re-import this file as
     sys.exit(main(int(sys.argv[1])))
 EOF
 if [ "$MODE" = cuda ]; then
-    section "a: parity on NCCL" 150 env TITAN_DMUON_TEST_BACKEND=nccl "$PY" "$WORK/parity.py" "$N"
+    section "a: parity on NCCL" $((150 + 20 * N)) env TITAN_DMUON_TEST_BACKEND=nccl "$PY" "$WORK/parity.py" "$N"
 else
     section "a: parity on gloo (CPU)" 300 env TITAN_DMUON_TEST_BACKEND=gloo "$PY" "$WORK/parity.py" "$N"
 fi
