@@ -88,16 +88,59 @@ def test_without_the_permutation_logits_differ(tmp_path):
         assert (_hf_logits(tmp_path, tokens) - model(tokens)).abs().max() > 1e-2
 
 
+class _SpyFile:
+    """A safetensors file handle that records how many elements of each tensor were read."""
+
+    def __init__(self, handle, log: dict):
+        self._f, self._log = handle, log
+
+    def __enter__(self):
+        self._f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+    def keys(self):
+        return self._f.keys()
+
+    def get_tensor(self, name):
+        t = self._f.get_tensor(name)
+        self._log[name] = self._log.get(name, 0) + t.numel()
+        return t
+
+    def get_slice(self, name):
+        spy, sl = self, self._f.get_slice(name)
+
+        class _Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, region):
+                t = sl[region]
+                spy._log[name] = spy._log.get(name, 0) + t.numel()
+                return t
+
+        return _Slice()
+
+
 def _load_sharded(rank: int, world_size: int, folder: str, layout: str) -> dict:
-    """Build the tiny model on meta, shard it (FSDP2, or dp2 x tp2 with FSDP2 over TP), fill it with NaN, load
-    the HF folder into its state dict and return every parameter gathered (full_tensor)."""
+    """Build the tiny model on meta, shard it (FSDP2, HSDP 2 x 2, or dp2 x tp2 with FSDP2 over TP), fill it
+    with NaN, load the HF folder into its state dict and return every parameter gathered (full_tensor), the
+    elements read from the files per tensor and the local elements per tensor."""
+    import safetensors
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    reads: dict[str, int] = {}
+    safe_open = safetensors.safe_open
+    safetensors.safe_open = lambda *a, **k: _SpyFile(safe_open(*a, **k), reads)
     model = build_model("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ, n_kv_heads=2)
     if layout == "fsdp":
         dp = init_device_mesh("cpu", (world_size,))
+    elif layout == "hsdp":
+        dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         SPEC.apply_tp(model, mesh["tp"])
@@ -112,16 +155,20 @@ def _load_sharded(rank: int, world_size: int, folder: str, layout: str) -> dict:
     sd = model.state_dict()
     assert all(isinstance(v, DTensor) for v in sd.values())
     load_hf_weights(sd, folder, SPEC.state_dict_adapter(model))
+    adapter = SPEC.state_dict_adapter(model)
+    local = {adapter.to_hf_name(k): v.to_local().numel() for k, v in sd.items()}
     placements = {k: str(v.placements) for k, v in sd.items()}
-    return {"params": {k: p.full_tensor() for k, p in model.named_parameters()}, "placements": placements}
+    params = {k: p.full_tensor() for k, p in model.named_parameters()}
+    return {"params": params, "placements": placements, "reads": reads, "local": local}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,world_size", [("fsdp", 2), ("dp_tp", 4)])
+@pytest.mark.parametrize("layout,world_size", [("fsdp", 2), ("hsdp", 4), ("dp_tp", 4)])
 def test_load_into_sharded_templates(tmp_path, layout, world_size):
     model = _tiny()
     sd = model.state_dict()
-    export_hf(sd, tmp_path, SPEC.state_dict_adapter(model), max_shard_bytes=20_000)
+    adapter = SPEC.state_dict_adapter(model)
+    export_hf(sd, tmp_path, adapter, max_shard_bytes=20_000)
     results = run_distributed(_load_sharded, world_size, str(tmp_path), layout)
     if layout == "dp_tp":  # FSDP2 over a TP-sharded dim 0 interleaves: the full-matrix path
         assert "_StridedShard" in results[0]["placements"]["layers.0.attention.wq.weight"]
@@ -129,6 +176,11 @@ def test_load_into_sharded_templates(tmp_path, layout, world_size):
         assert sorted(r["params"]) == sorted(sd)
         for k, t in sd.items():
             assert torch.equal(r["params"][k], t), k
+        # each rank read its share of every tensor, and whole matrices only where the permutation needs them
+        for k, t in sd.items():
+            name = adapter.to_hf_name(k)
+            whole = adapter.needs_full_tensor(k) or "_StridedShard" in r["placements"][k]
+            assert r["reads"].get(name, 0) == (t.numel() if whole else r["local"][name]), k
 
 
 def _save_dcp(model: torch.nn.Module, folder: Path) -> None:
