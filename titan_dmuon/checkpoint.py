@@ -523,6 +523,13 @@ class CheckpointManager:
         saved = metadata.state_dict_metadata
         has_optimizer = any(k.startswith("optimizer.") for k in saved)
         if not model_only and not has_optimizer:
+            step = int(path.name.removeprefix("step-")) if _STEP_DIR.match(path.name) else 0
+            if check_config and step < self.cfg.training.steps:  # a resume would go on without optimizer and data
+                raise CheckpointError(
+                    f"checkpoint {path} holds model weights only (checkpoint.last_save_model_only), so training "
+                    f"cannot continue from it to step {self.cfg.training.steps}: set checkpoint.load_step to a full "
+                    "checkpoint and move this one away"
+                )
             model_only = True
             logger.warning("checkpoint: %s holds model weights only; the optimizer state starts fresh", path)
         state = self._template(saved, model_only)
