@@ -45,7 +45,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 START=$SECONDS
 FAILED=()
 
-echo "gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), repo $ROOT ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+echo "gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC') on ${HOSTNAME:-?}, repo $ROOT ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
 
 NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -95,7 +95,7 @@ if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         print(f"cuda:{i} {p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
-    print(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    print(f"NCCL {torch.cuda.nccl.version()}")
 else:
     print("torch sees no CUDA device")
 EOF
