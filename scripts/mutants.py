@@ -207,9 +207,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "z3-backward-rebroadcast-skipped",
         "titan_dmuon/dmuon/group.py",
-        '        self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',
-        "        if not _in_backward():\n"
         '            self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',
+        "            if not _in_backward():\n"
+        '                self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',
         ("tests/distributed/test_dmuon_fsdp.py",),
         "reshard_after_forward (Z3): backward runs on whatever the re-allocated buffer holds, not the weights",
     ),

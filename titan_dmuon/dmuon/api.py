@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import ddp as _ddp
 from . import replicate_axis as _replicate
 from . import tp as _tp
+from .comm import streams_for
 from .group import DedicatedParamGroup
 from .hooks import resolve_hook_modules
 from .param import DedicatedParam, local_of
@@ -87,12 +88,17 @@ def dedicate_params(
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
     param_dtype: torch.dtype | None = None,
     tp_buffer_reuse: bool | str = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> dict[nn.Parameter, Owner]:
     """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
 
     `mesh` is the 1D shard mesh; `replicate_mesh` turns on HSDP (owners are `(shard, replicate)`
     coordinates over all G·R slots). `reshard_after_forward=True` is DMuon-Z3, False DMuon-Z2.
     Returns each dedicated param's owner: `int` (1D) or `(shard, replicate)` (HSDP).
+
+    `reduce_dtype` (default fp32) is the dtype the Muon grads are reduced in: each rank casts its packed grads
+    to it before the reduce, and the owner's momentum takes the fp32 result (FSDP2's `MixedPrecisionPolicy`
+    reduce_dtype for the other params); bf16 halves the reduce bytes and rounds the average.
 
     On a model on the meta device it records the ownership and allocates nothing: then call
     `dmuon.init_dedicated_params(model, init_fn, device)` (after `fully_shard`) to allocate and fill each rank's
@@ -105,6 +111,8 @@ def dedicate_params(
         _check_mesh(replicate_mesh, "replicate_mesh", "replicate")
     if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
         raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+        raise ValueError(f"reduce_dtype must be a floating torch.dtype (e.g. torch.float32), got {reduce_dtype!r}")
     selected = _select(model, predicate)
     return _dedicate(
         model,
@@ -116,6 +124,7 @@ def dedicate_params(
         param_dtype=param_dtype,
         mode="fsdp",
         tp_buffer_reuse=tp_buffer_reuse,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -130,6 +139,7 @@ def _dedicate(
     param_dtype,
     mode,
     tp_buffer_reuse=False,
+    reduce_dtype=None,
 ) -> dict[nn.Parameter, Owner]:
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
@@ -139,9 +149,15 @@ def _dedicate(
         replicate_mesh=replicate_mesh,
         reshard_after_forward=reshard_after_forward,
         mode=mode,
-        tp_rank=next(iter(tp_ranks), 0),
+        tp_rank=next(iter(tp_ranks)) if tp_ranks else _tp.tp_coordinate(mesh, replicate_mesh, dp_names),
         tp_buffer_reuse=tp_buffer_reuse,
     )
+    if len(set(state.coords)) != len(state.coords):
+        raise ValueError(
+            "dedicate_params: two ranks have the same (shard, replicate, tp) coordinates, so owners cannot be told "
+            "apart: pass the shard (and replicate) slices of one named DeviceMesh (init_device_mesh(..., "
+            "mesh_dim_names=...)), whose other dims are the TP ones"
+        )
     G, R = state.shard_size, state.replicate_size
     hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
     items = [PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None) for n, p in selected]
@@ -181,11 +197,12 @@ def _dedicate(
         dps = by_module[fqn]
         dtype = param_dtype or dps[0].local.dtype
         group = DedicatedParamGroup(
-            state, len(state.groups), fqn, model.get_submodule(fqn), dps, dtype, dps[0].local.device
+            state, len(state.groups), fqn, model.get_submodule(fqn), dps, dtype, dps[0].local.device, reduce_dtype
         )
         group.register_hooks()
         state.groups.append(group)
     attach_state(model, state)
+    state.streams = streams_for(state.groups[0].device)
     # The global owner's value is authoritative: make its column peers agree before the first forward (a meta
     # model has no values yet; init_dedicated_params fills every column rank alike).
     for g in state.groups:

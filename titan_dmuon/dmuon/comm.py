@@ -1,15 +1,24 @@
-"""DMuon's collectives: one coalesced helper per collective kind, async handles, and the byte ledger.
+"""DMuon's collectives: one coalesced helper per collective kind, async handles, the streams they are issued
+on, the publish-wait meter and the byte ledger.
 
-On NCCL a batch of broadcasts/reduces is issued as one coalesced call (`dist._coalescing_manager`); gloo has
-no coalesced broadcast/reduce, so each op is issued async and the batch is a list of work handles. Every
-op is recorded in a `CommLedger` (docs/dmuon.md, "Bytes per step"): a broadcast/reduce/gather/scatter of P
-elements over N ranks moves (N-1)/N·P elements per rank.
+Every collective is issued async (`async_op=True`) and waited where its buffer is consumed. On NCCL a batch of
+broadcasts/reduces is one coalesced call (`dist._coalescing_manager(async_ops=True)`, each op inside it also
+`async_op=True`: ProcessGroupNCCL runs an `async_op=False` op on the caller's current stream, and a coalesced
+batch whose ops are sync returns no work, so the batch would serialize with compute); gloo has no coalesced
+broadcast/reduce, so each op is issued async and the batch is a list of work handles. On CUDA the ops are
+issued from DMuon's dedicated streams (`CudaStreams`; docs/dmuon.md, "CUDA streams"); on CPU `Streams`
+does nothing. Every op is recorded in a `CommLedger` (docs/dmuon.md, "Bytes per step"): a
+broadcast/reduce/gather/scatter of P elements over N ranks moves (N-1)/N·P elements per rank.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +56,8 @@ class CommLedger:
 
 
 class Work:
-    """A batch of async collectives; `wait()` is idempotent."""
+    """A batch of async collectives (or CUDA events); `wait()` is idempotent. On gloo `wait()` blocks this thread
+    until the ops are done; on NCCL it makes the current stream wait for them (the CPU goes on)."""
 
     def __init__(self, works: Sequence | None = None):
         self._works = [w for w in (works or []) if w is not None]
@@ -64,11 +74,131 @@ class Work:
         return bool(self._works)
 
 
+# The stream each kind is issued from (docs/dmuon.md, "CUDA streams"): the shard axis on the two high-priority
+# streams, the replicate-axis publish on a default-priority one (FSDP2's split between its all-gather /
+# reduce-scatter streams and its all-reduce stream), the TP gather/scatter with the reduces.
+STREAM_OF = {
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "replicate_reduce": "reduce",
+    "replicate_broadcast": "replicate_broadcast",
+    "tp_gather": "reduce",
+    "tp_scatter": "reduce",
+}
+
+
+class Streams:
+    """DMuon's streams on a device without them (CPU/gloo): every method is a no-op, so the CPU path is the
+    stream-free code. `CudaStreams` is the CUDA one; a test may put a stand-in on `DMuonState.streams`.
+
+    The contract callers follow: enter `use(name)` to write a buffer for, and issue, a collective on stream
+    `name` (the stream first waits for the compute stream's queued work: its inputs); `hold(t)` every tensor
+    that stream touches but the compute stream allocated (the caching allocator must not hand its memory out
+    again before the stream is done with it); wait on the `Work` on the stream that consumes the result."""
+
+    names = ("broadcast", "reduce", "replicate_broadcast")
+
+    def use(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def event(self):
+        """An event recorded on the current stream now (it quacks like a work handle: `wait()`); None on CPU."""
+        return None
+
+    def timed_wait(self, work: Work):
+        """`work.wait()`, returning how long it held this thread (CPU) or the current stream (CUDA, resolved
+        later by `resolve`)."""
+        t0 = time.perf_counter()
+        work.wait()
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def resolve(sample) -> float:
+        return float(sample)
+
+
+class CudaStreams(Streams):
+    """The dedicated CUDA streams: `broadcast` and `reduce` at high priority (-1), `replicate_broadcast` at the
+    default priority (0)."""
+
+    PRIORITY = {"broadcast": -1, "reduce": -1, "replicate_broadcast": 0}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = {n: torch.cuda.Stream(device, priority=p) for n, p in self.PRIORITY.items()}
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        stream = self.streams[name]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffers compute wrote are ready
+        with torch.cuda.stream(stream):
+            yield
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        for t in tensors:
+            if t is not None and t.is_cuda and t.untyped_storage().size():
+                t.record_stream(stream)
+
+    def event(self):
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def timed_wait(self, work: Work):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work.wait()
+        end.record()
+        return start, end
+
+    @staticmethod
+    def resolve(sample) -> float:
+        if isinstance(sample, tuple):
+            start, end = sample
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return float(sample)
+
+
+def streams_for(device: torch.device) -> Streams:
+    """DMuon's streams on `device`: the CUDA ones there, the no-op ones anywhere else."""
+    return CudaStreams(device) if device.type == "cuda" else Streams()
+
+
+class WaitMeter:
+    """How long the next forward waited for each group's post-step publish (the HSDP/DDP replicate-axis
+    broadcast): samples since the last `summary()`, in the streams' units (see `Streams.timed_wait`), the last
+    `MAX_SAMPLES` of them (a run that never asks keeps a bounded number of CUDA events)."""
+
+    QUANTILES = (50, 90, 99)
+    MAX_SAMPLES = 8192
+
+    def __init__(self):
+        self.samples: collections.deque = collections.deque(maxlen=self.MAX_SAMPLES)
+
+    def add(self, sample) -> None:
+        self.samples.append(sample)
+
+    def summary(self, streams: Streams) -> dict[str, float]:
+        """p50/p90/p99 (nearest rank) of the waits since the last call, in microseconds; {} without samples."""
+        samples, self.samples = self.samples, collections.deque(maxlen=self.MAX_SAMPLES)
+        if not samples:
+            return {}
+        us = sorted(streams.resolve(s) * 1e6 for s in samples)
+        out = {f"publish_wait_p{q}_us": us[max(0, math.ceil(q / 100 * len(us)) - 1)] for q in self.QUANTILES}
+        out["publish_waits"] = float(len(us))
+        return out
+
+
 def _coalesce(group: dist.ProcessGroup, device: torch.device, issue) -> Work:
-    """Issue `issue()`'s ops as one coalesced NCCL call, or as separate async gloo ops."""
+    """Issue `issue()`'s ops async: one coalesced NCCL call, or separate gloo ops."""
     if device.type == "cuda":
         with dist._coalescing_manager(group=group, device=device, async_ops=True) as cm:
-            issue(async_op=False)
+            issue(async_op=True)  # async_op=False would run each op on the current stream, and the batch sync
         return Work([cm])
     return Work(issue(async_op=True))
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .comm import Work, broadcast_coalesced, reduce_coalesced
+from .comm import Streams, Work, broadcast_coalesced, reduce_coalesced, streams_for
 from .param import DedicatedParam
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class DedicatedParamGroup:
         dparams: list[DedicatedParam],
         dtype: torch.dtype,
         device: torch.device,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.state = state
         self.index = index
@@ -63,6 +64,7 @@ class DedicatedParamGroup:
         self.module = module
         self.params = sorted(dparams, key=lambda d: (d.owner_shard, d.owner_replicate, d.fqn))
         self.dtype = dtype
+        self.reduce_dtype = reduce_dtype or dtype  # the packed grad buffer's dtype: what the reduces move
         self.device = device
         offset = 0
         for dp in self.params:
@@ -97,20 +99,28 @@ class DedicatedParamGroup:
 
     # ---- forward: broadcast from owners -------------------------------------------------------------
     def unshard(self) -> None:
-        """Allocate the packed buffer and dispatch one broadcast per owner (async)."""
+        """Allocate the packed buffer and dispatch one broadcast per owner (async, on the broadcast stream: the
+        buffer is allocated by the compute stream, which consumes it after `wait_for_unshard`). The broadcast
+        stream, not compute, waits for the previous step's publish: only its copy reads the masters (a
+        prefetch must not stall the current group's compute on the next group's publish)."""
         if self.live:
-            self.wait_publish()
+            self.wait_publish(timed=True)  # DDP: compute reads the live param itself
             return
         if self.unsharded:
             return
-        self.wait_publish()
+        self._finish_deferred()  # the TP tail applies its update on the compute stream
         _alloc_storage(self.buffer)
         st = self.state
-        for dp in self.params:
-            if dp.in_owner_column:  # this row's sender for that owner
-                self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
-        ops = [(self.buffer[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
-        self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")
+        with st.streams.use("broadcast"):
+            self.wait_publish(timed=True)
+            st.streams.hold(self.buffer)
+            for dp in self.params:
+                if dp.in_owner_column:  # this row's sender for that owner
+                    self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
+            ops = [(self.buffer[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
+            copied = Work([st.streams.event()])  # compute waits for the copy too (a 1-rank group broadcasts nothing)
+            self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")
+        self._unshard_work = (self._unshard_work or Work()).merge(copied)
         self.unsharded = True
 
     def wait_for_unshard(self) -> None:
@@ -136,13 +146,21 @@ class DedicatedParamGroup:
             raise RuntimeError(f"group '{self.module_fqn}': the previous step's publish was not consumed")
         self._publish, self._deferred = publish, finish
 
-    def wait_publish(self) -> None:
-        """Consume the post-step publish: after it, the owner column agrees (I4)."""
+    def _finish_deferred(self) -> None:
+        """Run the deferred TP tail (scatter wait, update, publish); its publish joins the pending one."""
         if self._deferred is not None:
             finish, self._deferred = self._deferred, None
             work = finish()
             self._publish = work if self._publish is None else self._publish.merge(work)
+
+    def wait_publish(self, timed: bool = False) -> None:
+        """Consume the post-step publish: after it, the owner column agrees (I4). `timed`: the next forward
+        waits here (not a drain), so how long it waited goes to the state's publish-wait meter."""
+        self._finish_deferred()
         if self._publish is not None:
+            if timed and self._publish.is_pending():
+                st = self.state
+                st.publish_wait.add(st.streams.timed_wait(self._publish))
             self._publish.wait()
             self._publish = None
             if self.live:  # DDP with a low-precision param: refresh it from the fp32 master
@@ -157,29 +175,35 @@ class DedicatedParamGroup:
             self.reduce_grads()
 
     def reduce_grads(self) -> None:
-        """Pack this rank's grads and average them onto the owners (stage 1 over the shard group)."""
+        """Pack this rank's grads, cast to the reduce dtype, and average them onto the owners (stage 1 over the
+        shard group), on the reduce stream: compute goes on with the backward; the grads and the packed buffer
+        (allocated by the compute stream) are held for the reduce stream until it is done with them."""
         if self._reduced:
             return
         self._reduced = True
         st = self.state
         if st.sync_grads:
-            gbuf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            for dp in self.params:
-                dst = gbuf[dp.offset : dp.offset + dp.numel]
-                grad = dp.local_grad
-                if grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(grad.reshape(-1))
-                    dp.param.grad = None
-            ops = [(gbuf[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
-            work = reduce_coalesced(ops, st.shard_group, st.ledger, "reduce")
+            gbuf = torch.empty(self.numel, dtype=self.reduce_dtype, device=self.device)
+            with st.streams.use("reduce"):
+                st.streams.hold(gbuf)
+                for dp in self.params:
+                    dst = gbuf[dp.offset : dp.offset + dp.numel]
+                    grad = dp.local_grad
+                    if grad is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(grad.reshape(-1))
+                        st.streams.hold(grad)  # freed below by the compute stream, read by the reduce stream
+                        dp.param.grad = None
+                ops = [(gbuf[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
+                work = reduce_coalesced(ops, st.shard_group, st.ledger, "reduce")
             st.enqueue_reduce(self, gbuf, work)
         if st.mode == "fsdp":
             self.reshard()
 
     def finish_reduce(self, gbuf: torch.Tensor) -> None:
-        """After both stages: the global owner accumulates its slice into `_reduced_grad` (fp32)."""
+        """After both stages (the compute stream waited for them): the global owner accumulates its slice into
+        `_reduced_grad` (fp32, whatever the reduce dtype)."""
         for dp in self.params:
             if dp.is_owner:
                 g = gbuf[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
@@ -210,6 +234,8 @@ class DedicatedParamGroup:
         column agrees without a publish. Scratch beyond that is whatever `init_fn` uses.
         """
         self.device = device
+        if device.type == "cuda" and type(self.state.streams) is Streams:
+            self.state.streams = streams_for(device)
         if not self.live:
             self.buffer = torch.empty(self.numel, dtype=self.dtype, device=device)
         for dp in self.params:

@@ -144,6 +144,15 @@ class Muon(torch.optim.Optimizer):
             groups.append({"params": params, "kind": kind, **opts})
         return groups
 
+    def publish_wait_stats(self) -> dict[str, float]:
+        """How long the forwards since the last call waited for the post-step publish (HSDP/DDP, async):
+        `publish_wait_p50_us`, `_p90_us`, `_p99_us` and the number of waits `publish_waits`; {} when none did
+        (no replicate axis, or `replicate_async=False`, which drains the publish inside `step()`). Under 100 us
+        at p90 the publish is hidden behind the step's tail and the next forward (docs/dmuon.md, "CUDA
+        streams")."""
+        st = self._state
+        return st.publish_wait.summary(st.streams)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for dp in self._state.dparams:

@@ -30,12 +30,14 @@ def reduce_replicate(group: DedicatedParamGroup, gbuf: torch.Tensor) -> Work:
         for (shard, rep), (s, e) in group.owner_segments.items()
         if shard == st.shard_rank
     ]
-    return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
+    with st.streams.use("reduce"):
+        return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
 
 
 def publish(group: DedicatedParamGroup, params: Sequence[DedicatedParam] | None = None) -> Work:
     """Broadcast the updated `_owned_data` of this column's params (default: all of the group's) from
-    their global owners (async)."""
+    their global owners (async, on the default-priority replicate_broadcast stream: it has the whole next
+    forward to hide in, behind the shard axis's broadcasts)."""
     st = group.state
     if st.replicate_group is None:
         return Work()
@@ -44,4 +46,6 @@ def publish(group: DedicatedParamGroup, params: Sequence[DedicatedParam] | None 
         for dp in (group.params if params is None else params)
         if dp.in_owner_column
     ]
-    return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")
+    with st.streams.use("replicate_broadcast"):
+        st.streams.hold(*(t for t, _ in ops))
+        return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")

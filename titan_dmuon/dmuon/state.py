@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import replicate_axis as _replicate
-from .comm import CommLedger, Work
+from .comm import CommLedger, Streams, WaitMeter, Work
 
 if TYPE_CHECKING:
     from .group import DedicatedParamGroup
@@ -91,6 +91,8 @@ class DMuonState:
         self.dparams: list[DedicatedParam] = []
         self.by_param: dict[nn.Parameter, DedicatedParam] = {}
         self.ledger = CommLedger()
+        self.streams = Streams()  # the CUDA ones once the groups are on a GPU (comm.streams_for)
+        self.publish_wait = WaitMeter()  # how long each forward waited for the post-step publish
         self.sync_grads = True
         self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
         self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
@@ -126,8 +128,10 @@ class DMuonState:
             self._start_stage2(*self._pending.pop(0))
 
     def _start_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
-        work.wait()
-        self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf)))
+        with self.streams.use("reduce"):  # the reduce stream (not compute) waits for stage 1, issues stage 2
+            work.wait()
+            stage1 = Work([self.streams.event()])  # compute waits for stage 1 too, before it reads gbuf
+        self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf).merge(stage1)))
         # Keep one stage 2 in flight and finish the older ones now: each holds a whole packed grad buffer, so
         # waiting for the end of backward would keep every group's (P_M elements) alive on every rank.
         while len(self._stage2) > 1:

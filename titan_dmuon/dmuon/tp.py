@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .comm import CommLedger, Work
+from .comm import STREAM_OF, CommLedger, Work
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,22 @@ def dp_mesh_names(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | No
         if m is not None and m.mesh_dim_names:
             names.update(m.mesh_dim_names)
     return names
+
+
+def tp_coordinate(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | None, dp_names: set[str]) -> int:
+    """This rank's TP coordinate, from the mesh the DP slices were cut from: its coordinates on the root mesh's
+    non-DP dims, flattened (0 when the DP meshes are the whole world). Taken from the mesh, not the params: with
+    no TP-sharded dedicated param every rank would otherwise say 0 and the DP slices would collapse."""
+    ref = shard_mesh if shard_mesh is not None else replicate_mesh
+    root = ref._get_root_mesh() if ref is not None else None
+    if root is None or root is ref or not root.mesh_dim_names or not dp_names <= set(root.mesh_dim_names):
+        return 0  # the whole world, or a DP mesh flattened from root dims: no TP dim to tell apart
+    coord = root.get_coordinate()
+    tp = 0
+    for dim, name in enumerate(root.mesh_dim_names):
+        if name not in dp_names:
+            tp = tp * root.size(dim) + coord[dim]
+    return tp
 
 
 def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> TPLayout | None:
@@ -67,7 +83,9 @@ def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> TPLayout | None
 
 
 class TPUpdate:
-    """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group."""
+    """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group: both issued
+    async from the reduce stream (their buffers allocated by the compute stream, held for the reduce stream),
+    waited by the compute stream where it reads the gathered matrix / the scattered shard."""
 
     def __init__(self, dp, update_local: torch.Tensor, ledger: CommLedger, buffers: dict | None):
         self.dp = dp
@@ -78,9 +96,12 @@ class TPUpdate:
         src = update_local.contiguous()
         self.gathered = [self._scratch("gather", i, src) for i in range(size)] if dp.is_tp_owner else None
         ledger.record("tp_gather", self.full_numel, size, src.element_size())
-        self._work = Work(
-            [dist.gather(src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True)]
-        )
+        streams = dp.group.state.streams
+        with streams.use(STREAM_OF["tp_gather"]):
+            streams.hold(src, *(self.gathered or ()))
+            self._work = Work(
+                [dist.gather(src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True)]
+            )
         self._ledger = ledger
         self.out_local: torch.Tensor | None = None
 
@@ -108,9 +129,16 @@ class TPUpdate:
         if dp.is_tp_owner:
             chunks = [c.contiguous() for c in ortho_full.to(like.dtype).chunk(dp.tp_group.size(), dim=dp.shard_dim)]
         self._ledger.record("tp_scatter", self.full_numel, dp.tp_group.size(), like.element_size())
-        self._work = Work(
-            [dist.scatter(self.out_local, scatter_list=chunks, src=self.owner_global, group=dp.tp_group, async_op=True)]
-        )
+        streams = dp.group.state.streams
+        with streams.use(STREAM_OF["tp_scatter"]):
+            streams.hold(self.out_local, *(chunks or ()))
+            self._work = Work(
+                [
+                    dist.scatter(
+                        self.out_local, scatter_list=chunks, src=self.owner_global, group=dp.tp_group, async_op=True
+                    )
+                ]
+            )
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
@@ -128,7 +156,7 @@ def gram_is_beneficial(dp) -> bool:
 def all_reduce_gram(dp, ledger: CommLedger, gram: torch.Tensor) -> torch.Tensor:
     """Sum the TP blocks' partial Gram matrices (one s×s all-reduce over the param's TP group)."""
     ledger.record("tp_gram", gram.numel(), dp.tp_group.size(), gram.element_size(), factor=2)
-    dist.all_reduce(gram, group=dp.tp_group)
+    dist.all_reduce(gram, group=dp.tp_group, async_op=True).wait()  # consumed at once, by the next NS product
     return gram
 
 
@@ -137,7 +165,7 @@ def full_from_shards(local: torch.Tensor, dp) -> torch.Tensor:
     if dp.tp_group is None:
         return local
     parts = [torch.empty_like(local) for _ in range(dp.tp_group.size())]
-    dist.all_gather(parts, local.contiguous(), group=dp.tp_group)
+    dist.all_gather(parts, local.contiguous(), group=dp.tp_group, async_op=True).wait()
     return torch.cat(parts, dim=dp.shard_dim)
 
 
