@@ -13,7 +13,10 @@ module-scoped fixture, so each resume costs one launch:
                   rerun: it resumes from the newest complete checkpoint, its losses equal the straight run's, and
                   keep_latest_k = 2 leaves exactly 2 complete checkpoints
   errors          a partial or corrupted checkpoint, another model, another global batch, a load_step that does
-                  not exist: exit 2 naming the folder, and no file of the checkpoint folder changed
+                  not exist, a model-only checkpoint before the last step: exit 2 naming the folder, and no file
+                  of the checkpoint folder changed
+  initial load    initial_load_path from a DCP step folder (in full, and weights only) and from its Hugging Face
+                  conversion
   memory          the per-rank RSS figures the 4-rank runs log around saving and loading
 
 The references are read back independently of the code under test: losses from the TensorBoard events,
@@ -288,6 +291,13 @@ def _fingerprint(folder: Path) -> dict[str, str]:
     }
 
 
+def _model_only_copy(src: Path, dst: Path) -> None:
+    """src's weights and train state alone (no optimizer, schedule or data position) as dst, saved by DCP."""
+    sd = {k: v for k, v in read_checkpoint(src).items() if k.startswith(("model.", "train_state."))}
+    dcp.save(sd, checkpoint_id=dst, no_dist=True)
+    shutil.copy(src / "config.toml", dst / "config.toml")
+
+
 def _break_data_file(step: Path) -> None:
     (data,) = [p for p in step.iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0][:1]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -301,6 +311,7 @@ def _break_data_file(step: Path) -> None:
         ("other_model", ["--model.flavor", "debugmodel"], r"another model config: model.flavor = 'tinymodel' there"),
         ("other_batch", ["--training.local_batch_size", "4"], r"does not match this run: shape differences"),
         ("missing_step", ["--checkpoint.load_step", "7"], r"has no step-7 \(complete checkpoints: \[5, 10\]\)"),
+        ("model_only", [], r"step-7 holds model weights only .* cannot continue from it to step 10"),
     ],
 )
 def test_bad_checkpoint_exits_2_and_changes_nothing(runs, tmp_path, case, args, match):
@@ -310,6 +321,9 @@ def test_bad_checkpoint_exits_2_and_changes_nothing(runs, tmp_path, case, args, 
         (tmp_path / "checkpoint" / "step-10" / ".metadata").unlink()
     elif case == "truncated":
         _break_data_file(tmp_path / "checkpoint" / "step-10")
+    elif case == "model_only":  # what last_save_model_only writes, at a step before training.steps
+        _model_only_copy(tmp_path / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-7")
+        shutil.rmtree(tmp_path / "checkpoint" / "step-10")
     before = _fingerprint(tmp_path / "checkpoint")
     proc = launch("1proc", tmp_path, *args)
     assert proc.returncode == 2, _tail(proc)
