@@ -174,6 +174,7 @@ class MetricsLogger:
             ("throughput/tflops", "tflops", "{:.3f}"),
             ("loss/validation", "val_loss", "{:.4f}"),
             ("perplexity/validation", "val_ppl", "{:.2f}"),
+            ("dmuon/publish_wait_p90_us", "publish_wait_p90", "{:.0f}us"),  # HSDP async publish: < 100 us = hidden
         ]
         for key, label, spec in fmt:
             if key in scalars:

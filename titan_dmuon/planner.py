@@ -345,16 +345,17 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
     mc = cfg.optimizer.muon  # the distributed Gram all-reduces one fp32 s×s Gram per restart segment of its NS
     gram_segments = 1 + len(gram_restarts(resolve_coefficients(mc.ns_coefficients, mc.ns_steps)))
     for dp in dps:  # each rank of a group records every broadcast/reduce segment of the shard group
-        e = dp.group.dtype.itemsize
+        e = dp.group.dtype.itemsize  # the broadcasts move the packed params
+        e_red = dp.group.reduce_dtype.itemsize  # the reduces move the grads cast to DMuon's reduce dtype
         if N > 1:
             elements["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel
             nbytes["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel * e
             elements["reduce"] += frac(N) * dp.numel
-            nbytes["reduce"] += frac(N) * dp.numel * e
+            nbytes["reduce"] += frac(N) * dp.numel * e_red
         column = s_of == dp.owner_shard
         if R > 1:
             elements["replicate_reduce"][column] += frac(R) * dp.numel
-            nbytes["replicate_reduce"][column] += frac(R) * dp.numel * e
+            nbytes["replicate_reduce"][column] += frac(R) * dp.numel * e_red
             elements["replicate_broadcast"][column] += frac(R) * dp.numel
             nbytes["replicate_broadcast"][column] += frac(R) * dp.numel * 4  # the fp32 master
         if dp.tp_group is not None and T > 1:

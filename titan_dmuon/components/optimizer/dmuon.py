@@ -53,6 +53,7 @@ class DMuon(OptimizerComponent):
             # one packed broadcast/reduce per block, the same units FSDP2 shards (the root for anything else)
             hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
             param_dtype=param_dtype,
+            reduce_dtype=getattr(torch, self.cfg.training.mixed_precision_reduce),  # as FSDP2's reduce_dtype
         )
         self.own_params = set(owners)
         return self.own_params
@@ -80,10 +81,13 @@ class DMuon(OptimizerComponent):
         return dmuon.clip_grad_norm_(self.model, self.optimizer, max_norm)
 
     def step_stats(self) -> dict[str, float]:
-        """Newton-Schulz calls and time on this rank, and the bytes of each collective kind whose mesh axis has
-        more than one rank (the others are zero by construction)."""
+        """Newton-Schulz calls and time on this rank, the bytes of each collective kind whose mesh axis has
+        more than one rank (the others are zero by construction), and, under HSDP with the async publish, how
+        long the forwards since the last call waited for it (`dmuon/publish_wait_p50_us`, `_p90_us`, `_p99_us`;
+        docs/dmuon.md, "CUDA streams")."""
         stats = self.optimizer.last_step_stats
         out = {f"dmuon/{k}": float(stats[k]) for k in ("ns_calls", "ns_time_s") if k in stats}
+        out.update({f"dmuon/{k}": v for k, v in self.optimizer.publish_wait_stats().items()})
         degree = {"shard": self.dims.dp_shard, "replicate": self.dims.dp_replicate, "tp": self.dims.tp}
         for kind, nbytes in dmuon.comm_stats(self.model)["bytes"].items():
             if degree[_axis_of(kind)] > 1 and (kind != "tp_gram" or self.cfg.optimizer.dmuon.tp_distributed_gram):
