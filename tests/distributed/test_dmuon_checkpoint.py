@@ -1,7 +1,7 @@
 """DMuon's sharded checkpoint state through torch.distributed.checkpoint (DCP) on real gloo ranks
 (docs/dmuon.md, "Checkpoints"): a save on 4 ranks of 1D FSDP writes each dedicated matrix and its momentum once,
 from its owner, and no rank's state holds a full copy of a matrix it does not own; the checkpoint loads onto 2
-ranks 1D, HSDP 2x2, dp2 x tp2, torch DDP and one process with the weights, Muon momentum, AdamW moments,
+ranks 1D, HSDP 2x2, dp2 x tp2 (FSDP and DDP), torch DDP and one process with the weights, Muon momentum, AdamW moments,
 steps and hyper-parameters as saved (against full tensors gathered by the full getters of the saving run), and
 one more step after the load equals one more step of the uninterrupted run."""
 
@@ -51,6 +51,12 @@ def _build(layout: str, shape: tuple[int, ...]):
         apply_llama_tp(model, mesh["tp"])
         dmuon.dedicate_params(model, mesh["dp"], proj_predicate)
         shard_blocks(model, mesh["dp"])
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh.size(0)
+    elif layout == "ddp_tp":
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        apply_llama_tp(model, mesh["tp"])
+        dmuon.dedicate_params_ddp_tp(model, mesh["dp"], proj_predicate)
+        dmuon.replicate_tp(model, mesh["dp"])
         dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh.size(0)
     elif layout == "torch_ddp":
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp",))
@@ -217,6 +223,7 @@ LOADS = {
     "fsdp_2": ("fsdp", (2,)),
     "hsdp_2x2": ("hsdp", (2, 2)),
     "dp2_tp2": ("dp_tp", (2, 2)),
+    "ddp2_tp2": ("ddp_tp", (2, 2)),
     "torch_ddp_2": ("torch_ddp", (2,)),
     "one_process": ("fsdp", (1,)),
 }
@@ -243,7 +250,7 @@ def test_load_on_another_topology(saved, name):
     for rank, r in enumerate(results):  # each rank asked for its share under the new ownership only
         h = r["holdings"]
         assert h["model"] == h["column"] and h["momentum"] == h["owner"], rank
-        if layout != "torch_ddp" and world > 1:  # DDP's share is every full tensor
+        if layout not in ("torch_ddp", "ddp_tp") and world > 1:  # DDP's share: every (TP-local) replica
             assert h["full_elsewhere"] == [], rank
     for got, want in zip(got_opt["param_groups"], opt_sd["param_groups"], strict=True):
         assert got == want
