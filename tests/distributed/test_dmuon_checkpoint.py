@@ -128,12 +128,12 @@ def _holdings(model, sd: dict) -> dict:
     return out
 
 
-def _save(rank: int, world_size: int, path: str) -> dict:
+def _save(rank: int, world_size: int, path: str, layout: str = "fsdp", shape: tuple[int, ...] = (SAVE_WORLD,)) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from titan_dmuon import dmuon
 
-    model, opt, dp_rank, dp_size = _build("fsdp", (world_size,))
+    model, opt, dp_rank, dp_size = _build(layout, shape)
     for step in range(SAVE_STEPS):
         _step(model, opt, step, dp_rank, dp_size)
     for group in opt.param_groups:
@@ -232,7 +232,18 @@ LOADS = {
 @pytest.mark.parametrize("name", list(LOADS))
 def test_load_on_another_topology(saved, name):
     path, save_results = saved
-    layout, shape = LOADS[name]
+    _check_load(save_results, path, *LOADS[name])
+
+
+def test_tp_save_loads_on_one_process(tmp_path):
+    """A dp2 x tp2 save (TP-sharded masters and momentum as DTensors over the TP mesh) loads whole on one process."""
+    path = str(tmp_path / "tp")
+    _check_load(run_distributed(_save, 4, path, "dp_tp", (2, 2)), path, "fsdp", (1,))
+
+
+def _check_load(save_results: list[dict], path: str, layout: str, shape: tuple[int, ...]) -> None:
+    """Load `path` on `layout`: the saved state back (bitwise), each rank's share only, and the next step equal to
+    the saving run's."""
     world = 1
     for n in shape:
         world *= n
