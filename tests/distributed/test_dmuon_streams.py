@@ -284,6 +284,16 @@ def _install_checkpoints(model, rec: Recorder) -> None:
             return finish(gbuf)
 
         g.finish_reduce = checked_finish
+        reduce = g.reduce_grads
+
+        def checked_reduce(reduce=reduce, g=g):
+            grads = [dp.local_grad for dp in g.params if dp.local_grad is not None]
+            reduce()
+            for grad in grads:  # packed on the reduce stream, then dropped by the compute stream
+                if st.sync_grads and (_ptr(grad), "reduce") not in rec.held:
+                    rec.violations.append(f"reduce_grads of {g.module_fqn}: a grad was not held for the reduce stream")
+
+        g.reduce_grads = checked_reduce
     apply = muon_mod._apply_update
 
     def checked_apply(dp, ortho, opts):
