@@ -96,6 +96,23 @@ def _full(model, opt) -> tuple[dict, dict]:
     )
 
 
+def _assert_equal_full(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    """Full (model, optimizer) dicts bitwise equal: weights, every state tensor, the param groups."""
+    (got_model, got_opt), (model_sd, opt_sd) = got, want
+    assert set(got_model) == set(model_sd)
+    for k, v in model_sd.items():
+        assert torch.equal(got_model[k], v), k
+    if not opt_sd:
+        assert got_opt == {}
+        return
+    assert set(got_opt["state"]) == set(opt_sd["state"])
+    for fqn, entry in opt_sd["state"].items():
+        assert set(got_opt["state"][fqn]) == set(entry), fqn
+        for key, v in entry.items():
+            assert torch.equal(torch.as_tensor(got_opt["state"][fqn][key]), torch.as_tensor(v)), (fqn, key)
+    assert got_opt["param_groups"] == opt_sd["param_groups"]
+
+
 def _holdings(model, sd: dict) -> dict:
     """What this rank's sharded dict holds: the dedicated keys (model and momentum) and, for every other
     tensor, whether it is a DTensor smaller than the full tensor."""
@@ -149,6 +166,11 @@ def _save(rank: int, world_size: int, path: str, layout: str = "fsdp", shape: tu
         assert all(v.device.type == "cpu" for v in saved[0].values())
     else:
         assert saved == ({}, {})
+    # and the setters take them back from rank 0 alone (broadcast_from_rank0)
+    fresh, fresh_opt, _, _ = _build(layout, shape)
+    dmuon.set_model_state_dict(fresh, saved[0], broadcast_from_rank0=True)
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, saved[1], broadcast_from_rank0=True)
+    _assert_equal_full(_full(fresh, fresh_opt), saved)
     _step(model, opt, SAVE_STEPS, dp_rank, dp_size)
     owned = [dp.fqn for dp in dmuon.get_owned_params(model)]
     return dict(holdings=holdings, saved=saved, after=_full(model, opt), owned=owned)
@@ -248,23 +270,13 @@ def _check_load(save_results: list[dict], path: str, layout: str, shape: tuple[i
     for n in shape:
         world *= n
     results = run_distributed(_load, world, path, layout, shape)
-    model_sd, opt_sd = save_results[0]["saved"]
-    got_model, got_opt = results[0]["loaded"]
-    assert set(got_model) == set(model_sd)
-    for k, v in model_sd.items():
-        assert torch.equal(got_model[k], v), k
-    assert set(got_opt["state"]) == set(opt_sd["state"])
-    for fqn, entry in opt_sd["state"].items():
-        assert set(got_opt["state"][fqn]) == set(entry), fqn
-        for key, v in entry.items():
-            assert torch.equal(torch.as_tensor(got_opt["state"][fqn][key]), torch.as_tensor(v)), (fqn, key)
+    _assert_equal_full(results[0]["loaded"], save_results[0]["saved"])
+    opt_sd = save_results[0]["saved"][1]
     for rank, r in enumerate(results):  # each rank asked for its share under the new ownership only
         h = r["holdings"]
         assert h["model"] == h["column"] and h["momentum"] == h["owner"], rank
         if layout not in ("torch_ddp", "ddp_tp") and world > 1:  # DDP's share: every (TP-local) replica
             assert h["full_elsewhere"] == [], rank
-    for got, want in zip(got_opt["param_groups"], opt_sd["param_groups"], strict=True):
-        assert got == want
     assert all(r["lrs"] == [g["lr"] for g in opt_sd["param_groups"]] for r in results)
     # one more step after the load = one more step of the uninterrupted run
     want_model, want_opt = save_results[0]["after"]

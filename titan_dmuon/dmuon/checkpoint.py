@@ -99,17 +99,26 @@ def get_model_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offl
     return out
 
 
-def set_model_state_dict(model: nn.Module, sd: dict[str, Any]) -> None:
-    """Load full weights (as `get_model_state_dict` returns them, on any device) on every rank."""
+def set_model_state_dict(model: nn.Module, sd: dict[str, Any], *, broadcast_from_rank0: bool = False) -> None:
+    """Load full weights (as `get_model_state_dict` returns them, on any device) on every rank.
+
+    `broadcast_from_rank0`: only rank 0's `sd` is read (pass `{}` elsewhere, e.g. what a `rank0_only` getter
+    returned); each tensor is broadcast in turn and every rank keeps its share, one full tensor at a time."""
     state = state_of(model, "set_model_state_dict")
     model = unwrap(model)
     state.drain_publish()
     state.reshard_all()
     current = model.state_dict(keep_vars=True)
-    _check_keys("set_model_state_dict", set(current), set(sd))
+    if broadcast_from_rank0:
+        spec = _rank0_spec(state, sd)
+        _check_keys("set_model_state_dict", set(current), set(spec))
+        entries = _stream_from_rank0(state, sd, spec)
+    else:
+        _check_keys("set_model_state_dict", set(current), set(sd))
+        entries = ((fqn, sd[fqn]) for fqn in current)
     with torch.no_grad():
-        for fqn, t in current.items():
-            full = sd[fqn]
+        for fqn, full in entries:
+            t = current[fqn]
             if tuple(full.shape) != tuple(t.shape):
                 raise ValueError(
                     f"set_model_state_dict: '{fqn}' has shape {tuple(full.shape)}, the model "
@@ -174,15 +183,29 @@ def get_optimizer_state_dict(
     return {"state": out_state, "param_groups": groups}
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load a full optimizer state (as `get_optimizer_state_dict` returns it, on any device) on every rank."""
+def set_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any], *, broadcast_from_rank0: bool = False
+) -> None:
+    """Load a full optimizer state (as `get_optimizer_state_dict` returns it, on any device) on every rank.
+
+    `broadcast_from_rank0`: only rank 0's `sd` is read (`{}` elsewhere); each param's state is broadcast in turn
+    and every rank keeps its share."""
     state = state_of(model, "set_optimizer_state_dict")
     model = unwrap(model)
     state.drain_publish()
     params = dict(model.named_parameters())
-    _load_param_groups("set_optimizer_state_dict", params, optimizer, sd["param_groups"])
+    if broadcast_from_rank0:
+        flat = {(fqn, key): v for fqn, entry in sd.get("state", {}).items() for key, v in entry.items()}
+        spec = _rank0_spec(state, {"param_groups": sd.get("param_groups"), **flat})
+        groups = spec.pop("param_groups")[1]
+        entries = _group_by_param(_stream_from_rank0(state, flat, spec))
+    else:
+        groups, entries = sd["param_groups"], iter(sd["state"].items())
+    _load_param_groups("set_optimizer_state_dict", params, optimizer, groups)
     optimizer.state.clear()
-    for fqn, entry in sd["state"].items():
+    for fqn, entry in entries:
+        if fqn not in params:
+            raise KeyError(f"set_optimizer_state_dict: the checkpoint has state for '{fqn}', which the model lacks")
         p = params[fqn]
         dp = state.by_param.get(p)
         if dp is not None:
@@ -198,6 +221,48 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
             )
             for k, v in entry.items()
         }
+
+
+def _rank0_spec(state: DMuonState, sd: dict) -> dict:
+    """Rank 0's `sd` described for every rank (key -> ("tensor", shape, dtype) or ("value", value)), in its order:
+    one object broadcast, so that every rank checks the same keys and expects the same tensors."""
+    spec = None
+    if dist.get_rank() == 0:
+        spec = {
+            k: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", v)
+            for k, v in sd.items()
+        }
+    box = [spec]
+    dist.broadcast_object_list(box, src=0, device=_comm_device(state))
+    return box[0]
+
+
+def _stream_from_rank0(state: DMuonState, sd: dict, spec: dict):
+    """(key, value) for each entry of `spec`, each tensor broadcast from rank 0 when asked for (one at a time)."""
+    device = _comm_device(state)
+    for key, (kind, *rest) in spec.items():
+        if kind == "value":
+            yield key, rest[0]
+            continue
+        shape, dtype = rest
+        if dist.get_rank() == 0:
+            buf = sd[key].detach().to(device=device, dtype=dtype).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src=0)
+        yield key, buf
+
+
+def _group_by_param(items):
+    """((fqn, key), value) pairs, grouped by fqn in order -> (fqn, {key: value}), one param's entry at a time."""
+    entry_fqn, entry = None, {}
+    for (fqn, key), value in items:
+        if fqn != entry_fqn and entry:
+            yield entry_fqn, entry
+            entry = {}
+        entry_fqn, entry[key] = fqn, value
+    if entry:
+        yield entry_fqn, entry
 
 
 # ---- sharded (DCP) state ------------------------------------------------------------------------------------
