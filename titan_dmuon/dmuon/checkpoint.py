@@ -12,7 +12,7 @@ Two kinds (docs/dmuon.md, "Checkpoints"):
 - Full (`get_*` / `set_*`): full tensors, for a single-file checkpoint or a look at the weights. Getters
   assemble each full tensor from its holders (one at a time), on every rank or on rank 0 only
   (`rank0_only`), optionally moved to CPU (`cpu_offload`); setters take the same full dicts (CPU tensors
-  too) and keep only what each rank holds.
+  too; rank 0's alone with `broadcast_from_rank0`) and keep only what each rank holds.
 
 Both drain pending async publishes first (a publish writes into the column peers' masters).
 """
@@ -271,7 +271,7 @@ def get_sharded_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A dedicated matrix is its fp32 master, present only on the ranks that keep one (its owner's shard column:
     under HSDP one rank per replicate row, under DDP every rank; DCP writes it once), as a DTensor over its TP
-    mesh when TP-shards it; FSDP2/TP params are their sharded DTensors; the rest (DDP-replicated params,
+    mesh when TP shards it; FSDP2/TP params are their sharded DTensors; the rest (DDP-replicated params,
     buffers) plain tensors on every rank."""
     state = state_of(model, "get_sharded_model_state_dict")
     module = unwrap(model)
