@@ -316,7 +316,7 @@ def get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Op
     """This rank's share of `optimizer`'s state, by param FQN, aliasing the live state (no collective).
 
     `{"state": {fqn: {...}}, "param_groups": [{kind, lr, ..., "params": [fqn, ...]}, ...]}`: a dedicated
-    matrix's `momentum_buffer` only on its global owner (a DTensor over its TP mesh when TP-shards it); AdamW's
+    matrix's `momentum_buffer` only on its global owner (a DTensor over its TP mesh when TP shards it); AdamW's
     `step`, `exp_avg`, `exp_avg_sq` of every other param (DTensors for FSDP2/TP params) on every rank that holds
     the param. State the optimizer would create lazily at its first step is created now (zeros), so the dict
     of a fresh optimizer is a complete load template."""
