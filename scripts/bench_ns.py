@@ -91,7 +91,8 @@ def check_kernels(device: torch.device) -> bool:
             x = randn(*shape, dtype=dtype)
             got = syrk.sym_matmul(x, out_dtype=torch.float32)
             err = _rel(got, x.double() @ x.double().T)
-            checks.append((f"syrk {name} {shape} {str(dtype)[6:]}", err, 1e-6))
+            # fp32 accumulation over k terms: the worst-case relative error bound grows as k * 2**-24
+            checks.append((f"syrk {name} {shape} {str(dtype)[6:]}", err, max(1e-6, shape[1] * 2**-24)))
             checks.append((f"  symmetric {name} {str(dtype)[6:]}", float(not torch.equal(got, got.T)), 0.5))
         x = randn(3, 200, 70, dtype=dtype).mT
         got = syrk.sym_matmul(x, out_dtype=torch.float32)
