@@ -81,8 +81,8 @@ def _sharded(model, opt) -> dict:
     from titan_dmuon import dmuon
 
     return {
-        "model": dmuon.get_sharded_model_state_dict(model),
-        "optimizer": dmuon.get_sharded_optimizer_state_dict(model, opt),
+        "model": dmuon.get_model_state_dict(model, full_state_dict=False),
+        "optimizer": dmuon.get_optimizer_state_dict(model, opt, full_state_dict=False),
     }
 
 
@@ -198,8 +198,8 @@ def _load(rank: int, world_size: int, path: str, layout: str, shape: tuple[int, 
     model, opt, dp_rank, dp_size = _build(layout, shape)
     sd = _sharded(model, opt)  # a fresh optimizer: the template must hold every state tensor already
     dcp.load(sd, checkpoint_id=path)
-    dmuon.set_sharded_model_state_dict(model, sd["model"])
-    dmuon.set_sharded_optimizer_state_dict(model, opt, sd["optimizer"])
+    dmuon.set_model_state_dict(model, sd["model"], full_state_dict=False)
+    dmuon.set_optimizer_state_dict(model, opt, sd["optimizer"], full_state_dict=False)
     holdings = _holdings(model, sd)
     loaded = _full(model, opt)
     _step(model, opt, SAVE_STEPS, dp_rank, dp_size)

@@ -27,12 +27,8 @@ from .api import (
 from .checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
-    get_sharded_model_state_dict,
-    get_sharded_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
-    set_sharded_model_state_dict,
-    set_sharded_optimizer_state_dict,
 )
 from .clip import clip_grad_norm_
 from .ddp import replicate_no_sync
@@ -109,8 +105,6 @@ __all__ = [
     "get_ns_backend",
     "get_optimizer_state_dict",
     "get_owned_params",
-    "get_sharded_model_state_dict",
-    "get_sharded_optimizer_state_dict",
     "init_dedicated_params",
     "install_patch",
     "no_sync",
@@ -119,7 +113,5 @@ __all__ = [
     "replicate_tp",
     "set_model_state_dict",
     "set_optimizer_state_dict",
-    "set_sharded_model_state_dict",
-    "set_sharded_optimizer_state_dict",
     "zeropower_via_newtonschulz",
 ]

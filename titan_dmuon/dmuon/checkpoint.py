@@ -2,19 +2,21 @@
 
 Two kinds (docs/dmuon.md, "Checkpoints"):
 
-- Sharded (`get_sharded_*` / `set_sharded_*`): what `torch.distributed.checkpoint` (DCP) saves and loads. Each
+- Sharded (`full_state_dict=False`): what `torch.distributed.checkpoint` (DCP) saves and loads. Each
   rank holds only its share, aliasing live storage: a dedicated matrix's fp32 master on the ranks that keep
   it (its owner's shard column), its momentum on its global owner, a TP-sharded one as a DTensor over its TP
   mesh, FSDP2/TP params and their AdamW moments as DTensors. DCP writes each key once (its planner
   de-duplicates identical keys) and, on load, each rank's dict asks for what that rank holds under the NEW
   ownership: any topology loads any other, and no rank reads more than its share plus whole matrices it owns.
   Nothing is gathered.
-- Full (`get_*` / `set_*`): full tensors, for a single-file checkpoint or a look at the weights. Getters
-  assemble each full tensor from its holders (one at a time), on every rank or on rank 0 only
+- Full (`full_state_dict=True`, the default): full tensors, for a single-file checkpoint or a look at the
+  weights. Getters assemble each full tensor from its holders (one at a time), on every rank or on rank 0 only
   (`rank0_only`), optionally moved to CPU (`cpu_offload`); setters take the same full dicts (CPU tensors
   too; rank 0's alone with `broadcast_from_rank0`) and keep only what each rank holds.
 
-Both drain pending async publishes first (a publish writes into the column peers' masters).
+Both drain pending async publishes first (a publish writes into the column peers' masters). The option mirrors
+torch's `StateDictOptions(full_state_dict=...)`; `rank0_only`, `cpu_offload` and `broadcast_from_rank0` apply to
+full dicts only (`_full_only`).
 """
 
 from __future__ import annotations
@@ -83,9 +85,16 @@ class _Emit:
         return value
 
 
-def get_model_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, Any]:
+def get_model_state_dict(
+    model: nn.Module, *, full_state_dict: bool = True, rank0_only: bool = False, cpu_offload: bool = False
+) -> dict[str, Any]:
     """Full fp32 weights by FQN on every rank (`rank0_only`: on rank 0, `{}` elsewhere; `cpu_offload`: as CPU
-    tensors, moved one at a time). Every rank must call it (it runs collectives)."""
+    tensors, moved one at a time). Every rank must call it (it runs collectives).
+
+    `full_state_dict=False`: this rank's share for DCP, aliasing live storage (`_get_sharded_model_state_dict`)."""
+    if not full_state_dict:
+        _full_only("get_model_state_dict", rank0_only=rank0_only, cpu_offload=cpu_offload)
+        return _get_sharded_model_state_dict(model)
     state = state_of(model, "get_model_state_dict")
     model = unwrap(model)
     state.drain_publish()
@@ -99,11 +108,18 @@ def get_model_state_dict(model: nn.Module, *, rank0_only: bool = False, cpu_offl
     return out
 
 
-def set_model_state_dict(model: nn.Module, sd: dict[str, Any], *, broadcast_from_rank0: bool = False) -> None:
+def set_model_state_dict(
+    model: nn.Module, sd: dict[str, Any], *, full_state_dict: bool = True, broadcast_from_rank0: bool = False
+) -> None:
     """Load full weights (as `get_model_state_dict` returns them, on any device) on every rank.
 
     `broadcast_from_rank0`: only rank 0's `sd` is read (pass `{}` elsewhere, e.g. what a `rank0_only` getter
-    returned); each tensor is broadcast in turn and every rank keeps its share, one full tensor at a time."""
+    returned); each tensor is broadcast in turn and every rank keeps its share, one full tensor at a time.
+    `full_state_dict=False`: `sd` is a sharded dict that `dcp.load` filled (`_set_sharded_model_state_dict`)."""
+    if not full_state_dict:
+        _full_only("set_model_state_dict", broadcast_from_rank0=broadcast_from_rank0)
+        _set_sharded_model_state_dict(model, sd)
+        return
     state = state_of(model, "set_model_state_dict")
     model = unwrap(model)
     state.drain_publish()
@@ -136,10 +152,20 @@ def set_model_state_dict(model: nn.Module, sd: dict[str, Any], *, broadcast_from
 
 
 def get_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False, cpu_offload: bool = False
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    full_state_dict: bool = True,
+    rank0_only: bool = False,
+    cpu_offload: bool = False,
 ) -> dict[str, Any]:
     """Full optimizer state `{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}` on every
-    rank (`rank0_only`: on rank 0, `{}` elsewhere; `cpu_offload`: CPU tensors). Every rank must call it."""
+    rank (`rank0_only`: on rank 0, `{}` elsewhere; `cpu_offload`: CPU tensors). Every rank must call it.
+
+    `full_state_dict=False`: this rank's share for DCP, aliasing live state (`_get_sharded_optimizer_state_dict`)."""
+    if not full_state_dict:
+        _full_only("get_optimizer_state_dict", rank0_only=rank0_only, cpu_offload=cpu_offload)
+        return _get_sharded_optimizer_state_dict(model, optimizer)
     state = state_of(model, "get_optimizer_state_dict")
     model = unwrap(model)
     state.drain_publish()
@@ -184,12 +210,22 @@ def get_optimizer_state_dict(
 
 
 def set_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any], *, broadcast_from_rank0: bool = False
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sd: dict[str, Any],
+    *,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> None:
     """Load a full optimizer state (as `get_optimizer_state_dict` returns it, on any device) on every rank.
 
     `broadcast_from_rank0`: only rank 0's `sd` is read (`{}` elsewhere); each param's state is broadcast in turn
-    and every rank keeps its share."""
+    and every rank keeps its share. `full_state_dict=False`: `sd` is a sharded dict that `dcp.load` filled
+    (`_set_sharded_optimizer_state_dict`)."""
+    if not full_state_dict:
+        _full_only("set_optimizer_state_dict", broadcast_from_rank0=broadcast_from_rank0)
+        _set_sharded_optimizer_state_dict(model, optimizer, sd)
+        return
     state = state_of(model, "set_optimizer_state_dict")
     model = unwrap(model)
     state.drain_publish()
@@ -265,15 +301,30 @@ def _group_by_param(items):
         yield entry_fqn, entry
 
 
-# ---- sharded (DCP) state ------------------------------------------------------------------------------------
-def get_sharded_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+# ---- sharded (DCP) state: full_state_dict=False -------------------------------------------------------------
+_SHARDED = "(full_state_dict=False)"
+
+
+def _full_only(what: str, **options: bool) -> None:
+    """Refuse the full-dict options with a sharded dict: it is every rank's own share aliasing live storage, which
+    rank 0 alone cannot hold, a CPU copy would stop `dcp.load` writing in place, and DCP stages to CPU itself
+    (`dcp.async_save`)."""
+    given = [name for name, value in options.items() if value]
+    if given:
+        raise ValueError(
+            f"{what}{_SHARDED}: {', '.join(given)} applies to full state dicts only (a sharded dict is each "
+            "rank's own share, aliasing live storage): drop it, or pass full_state_dict=True"
+        )
+
+
+def _get_sharded_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's share of the weights, by FQN, aliasing live storage (no collective, nothing gathered).
 
     A dedicated matrix is its fp32 master, present only on the ranks that keep one (its owner's shard column:
     under HSDP one rank per replicate row, under DDP every rank; DCP writes it once), as a DTensor over its TP
     mesh when TP shards it; FSDP2/TP params are their sharded DTensors; the rest (DDP-replicated params,
     buffers) plain tensors on every rank."""
-    state = state_of(model, "get_sharded_model_state_dict")
+    state = state_of(model, f"get_model_state_dict{_SHARDED}")
     module = unwrap(model)
     state.drain_publish()
     out: dict[str, torch.Tensor] = {}
@@ -286,11 +337,11 @@ def get_sharded_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """After `dcp.load` filled `get_sharded_model_state_dict`'s dict (or any dict of that layout): copy what
+def _set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """After `dcp.load` filled `_get_sharded_model_state_dict`'s dict (or any dict of that layout): copy what
     does not alias live storage, refresh the derived copies (DDP's live params; the packed buffers are
     re-filled from the masters at the next forward)."""
-    state = state_of(model, "set_sharded_model_state_dict")
+    state = state_of(model, f"set_model_state_dict{_SHARDED}")
     module = unwrap(model)
     state.drain_publish()
     state.reshard_all()
@@ -300,7 +351,7 @@ def set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) 
         for fqn, t in current.items()
         if not (isinstance(t, nn.Parameter) and t in state.by_param and not state.by_param[t].in_owner_column)
     }
-    _check_keys("set_sharded_model_state_dict", held, set(sd))
+    _check_keys(f"set_model_state_dict{_SHARDED}", held, set(sd))
     with torch.no_grad():
         for fqn, t in current.items():
             dp = state.by_param.get(t) if isinstance(t, nn.Parameter) else None
@@ -312,7 +363,7 @@ def set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) 
                 _copy_local(local_of(t), sd[fqn], fqn)
 
 
-def get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's share of `optimizer`'s state, by param FQN, aliasing the live state (no collective).
 
     `{"state": {fqn: {...}}, "param_groups": [{kind, lr, ..., "params": [fqn, ...]}, ...]}`: a dedicated
@@ -320,7 +371,7 @@ def get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Op
     `step`, `exp_avg`, `exp_avg_sq` of every other param (DTensors for FSDP2/TP params) on every rank that holds
     the param. State the optimizer would create lazily at its first step is created now (zeros), so the dict
     of a fresh optimizer is a complete load template."""
-    state = state_of(model, "get_sharded_optimizer_state_dict")
+    state = state_of(model, f"get_optimizer_state_dict{_SHARDED}")
     module = unwrap(model)
     state.drain_publish()
     _init_optimizer_state(state, optimizer)
@@ -336,24 +387,24 @@ def get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Op
     return {"state": out, "param_groups": _param_groups(names, optimizer)}
 
 
-def set_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """After `dcp.load` filled `get_sharded_optimizer_state_dict`'s dict (or any dict of that layout): the
+def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """After `dcp.load` filled `_get_sharded_optimizer_state_dict`'s dict (or any dict of that layout): the
     hyper-parameters of each param group, and every state tensor that does not alias the live one."""
-    state = state_of(model, "set_sharded_optimizer_state_dict")
+    state = state_of(model, f"set_optimizer_state_dict{_SHARDED}")
     module = unwrap(model)
     state.drain_publish()
     params = dict(module.named_parameters())
-    _load_param_groups("set_sharded_optimizer_state_dict", params, optimizer, sd["param_groups"])
+    _load_param_groups(f"set_optimizer_state_dict{_SHARDED}", params, optimizer, sd["param_groups"])
     _init_optimizer_state(state, optimizer)
     held = {
         n for n, p in params.items() if p in optimizer.state and (p not in state.by_param or state.by_param[p].is_owner)
     }
-    _check_keys("set_sharded_optimizer_state_dict", held, set(sd["state"]), "param states")
+    _check_keys(f"set_optimizer_state_dict{_SHARDED}", held, set(sd["state"]), "param states")
     with torch.no_grad():
         for fqn in held:
             live = optimizer.state[params[fqn]]
             saved = sd["state"][fqn]
-            _check_keys(f"set_sharded_optimizer_state_dict: '{fqn}'", set(live), set(saved), "state")
+            _check_keys(f"set_optimizer_state_dict{_SHARDED}: '{fqn}'", set(live), set(saved), "state")
             for key, value in saved.items():
                 _copy_local(local_of(live[key]), value, f"{fqn}.{key}")
 

@@ -1,7 +1,7 @@
 """dmuon's state dicts on one rank (titan_dmuon.dmuon.checkpoint). Full: keys as a plain `model.state_dict()`
 (also through a torch DDP wrapper), a round trip that resumes bitwise, cpu_offload and copies, the setters'
 errors. Sharded (DCP): a fresh optimizer's dict is a complete template aliasing live state, a dcp.save/load
-round trip resumes bitwise, the setters' errors."""
+round trip resumes bitwise, the setters' errors, the full-only options refused."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def test_sharded_round_trip_through_dcp(one_rank, tmp_path, layout):
 
     def sharded(model, opt):
         return {
-            "model": dmuon.get_sharded_model_state_dict(model),
-            "optimizer": dmuon.get_sharded_optimizer_state_dict(model, opt),
+            "model": dmuon.get_model_state_dict(model, full_state_dict=False),
+            "optimizer": dmuon.get_optimizer_state_dict(model, opt, full_state_dict=False),
         }
 
     model, opt = build()
@@ -126,8 +126,8 @@ def test_sharded_round_trip_through_dcp(one_rank, tmp_path, layout):
         buf = template["optimizer"]["state"][dp.fqn]["momentum_buffer"]
         assert buf.data_ptr() == fresh_opt.state[dp.param]["momentum_buffer"].data_ptr()
     dcp.load(template, checkpoint_id=str(tmp_path))
-    dmuon.set_sharded_model_state_dict(fresh, template["model"])
-    dmuon.set_sharded_optimizer_state_dict(fresh, fresh_opt, template["optimizer"])
+    dmuon.set_model_state_dict(fresh, template["model"], full_state_dict=False)
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, template["optimizer"], full_state_dict=False)
     for m, o in ((model, opt), (fresh, fresh_opt)):
         m(x(2)).backward()
         o.step()
@@ -141,17 +141,38 @@ def test_sharded_round_trip_through_dcp(one_rank, tmp_path, layout):
 
 def test_sharded_setter_errors(one_rank):
     model, opt = _trained("fsdp", 1)
-    sd = dmuon.get_sharded_model_state_dict(model)
-    with pytest.raises(KeyError, match=r"set_sharded_model_state_dict: missing keys \['head.weight'\]"):
-        dmuon.set_sharded_model_state_dict(model, {k: v for k, v in sd.items() if k != "head.weight"})
+    sd = dmuon.get_model_state_dict(model, full_state_dict=False)
+    missing = r"set_model_state_dict\(full_state_dict=False\): missing keys \['head.weight'\]"
+    with pytest.raises(KeyError, match=missing):
+        dmuon.set_model_state_dict(model, {k: v for k, v in sd.items() if k != "head.weight"}, full_state_dict=False)
     with pytest.raises(ValueError, match=r"'layers.0.up_proj.weight': the loaded local shard has shape \(3, 3\)"):
-        dmuon.set_sharded_model_state_dict(model, {**sd, "layers.0.up_proj.weight": torch.zeros(3, 3)})
-    osd = dmuon.get_sharded_optimizer_state_dict(model, opt)
+        dmuon.set_model_state_dict(model, {**sd, "layers.0.up_proj.weight": torch.zeros(3, 3)}, full_state_dict=False)
+    osd = dmuon.get_optimizer_state_dict(model, opt, full_state_dict=False)
     groups = [dict(g) for g in osd["param_groups"]]
     groups[0]["params"] = groups[0]["params"][1:]
     with pytest.raises(ValueError, match=r"param group 0 \(\w+\) differs from the checkpoint's in \['"):
-        dmuon.set_sharded_optimizer_state_dict(model, opt, {**osd, "param_groups": groups})
+        dmuon.set_optimizer_state_dict(model, opt, {**osd, "param_groups": groups}, full_state_dict=False)
     state = dict(osd["state"])
     del state["head.weight"]
     with pytest.raises(KeyError, match=r"missing param states \['head.weight'\]"):
-        dmuon.set_sharded_optimizer_state_dict(model, opt, {**osd, "state": state})
+        dmuon.set_optimizer_state_dict(model, opt, {**osd, "state": state}, full_state_dict=False)
+
+
+@pytest.mark.parametrize(
+    ("call", "option"),
+    [
+        (lambda m, o: dmuon.get_model_state_dict(m, full_state_dict=False, rank0_only=True), "rank0_only"),
+        (lambda m, o: dmuon.get_model_state_dict(m, full_state_dict=False, cpu_offload=True), "cpu_offload"),
+        (lambda m, o: dmuon.get_optimizer_state_dict(m, o, full_state_dict=False, cpu_offload=True), "cpu_offload"),
+        (lambda m, o: dmuon.set_model_state_dict(m, {}, full_state_dict=False, broadcast_from_rank0=True), "broadcast"),
+        (
+            lambda m, o: dmuon.set_optimizer_state_dict(m, o, {}, full_state_dict=False, broadcast_from_rank0=True),
+            "broadcast",
+        ),
+    ],
+)
+def test_sharded_refuses_full_only_options(one_rank, call, option):
+    """A sharded dict is each rank's share aliasing live storage: rank 0 alone, a CPU copy or a broadcast is refused."""
+    model, opt = _trained("fsdp", 0)
+    with pytest.raises(ValueError, match=rf"\(full_state_dict=False\): {option}\w* applies to full state dicts only"):
+        call(model, opt)

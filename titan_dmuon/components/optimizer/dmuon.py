@@ -96,17 +96,17 @@ class DMuon(OptimizerComponent):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's share: each dedicated matrix's fp32 master on its owner's column only, the FSDP2 DTensors."""
-        return dmuon.get_sharded_model_state_dict(self.model)
+        return dmuon.get_model_state_dict(self.model, full_state_dict=False)
 
     def load_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        dmuon.set_sharded_model_state_dict(self.model, state_dict)
+        dmuon.set_model_state_dict(self.model, state_dict, full_state_dict=False)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's share: Muon momentum on each matrix's owner only, AdamW moments as FSDP2 DTensors."""
-        return dmuon.get_sharded_optimizer_state_dict(self.model, self.optimizer)
+        return dmuon.get_optimizer_state_dict(self.model, self.optimizer, full_state_dict=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        dmuon.set_sharded_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        dmuon.set_optimizer_state_dict(self.model, self.optimizer, state_dict, full_state_dict=False)
 
     def close(self) -> None:
         if self.model is not None and self.optimizer is not None:
