@@ -332,6 +332,7 @@ class Trainer:
         ):
             train_start = time.perf_counter()
             interval_start, interval_tokens = train_start, 0
+            first_step = True  # of this process (a resumed run starts past step 1)
             while self.step < t.steps:
                 self.step += 1
                 # The lrs this step trains with (train_step advances the schedule): the first group's of each kind.
@@ -339,9 +340,10 @@ class Trainer:
                 for i, group in enumerate(self.optimizer.param_groups):
                     lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
                 loss, grad_norm, ntokens = self.train_step(data_iter)
-                if self.step == 1 and self._owns_process_group:  # set-up and the first step (compile) are done
+                if first_step and self._owns_process_group:  # set-up and the first step (compile) are done
                     self.collective_timeout = float(cfg.comm.train_timeout_seconds)
                     set_collective_timeout(self.collective_timeout)
+                first_step = False
                 interval_tokens += ntokens
                 self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
