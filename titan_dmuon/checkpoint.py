@@ -139,12 +139,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata; refusing to load it")
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
+    """DCP's file reader whose `.metadata` goes through `read_metadata` (no code is unpickled)."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_metadata(self.path, load_id=self.load_id)
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, reading non-tensor items (param group hyper-parameters) with weights_only=True."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -535,7 +537,7 @@ class CheckpointManager:
         state = self._template(saved, model_only)
         self._agree(self._mismatch(path, state, saved))
         try:
-            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as e:  # a missing/truncated file (DCP raises it on every rank)
             raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}): {e}") from None
         self.optim.load_model_state_dict(state["model"])
@@ -620,6 +622,8 @@ class CheckpointManager:
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "SafeLoadPlanner",
+    "SafeReader",
     "complete_steps",
     "read_metadata",
     "step_folders",
