@@ -13,7 +13,8 @@ from the checkpoint's tensors. No process group is started: tensors are read fro
 at most `--max-shard-size` bytes and written as safetensors shards of at most that size, so memory stays within
 a few times the larger of that size and the largest tensor, whatever the model's size (`--format torch` writes
 one file and so holds the whole model; so does `--format dcp`).
-Errors (not a checkpoint, another model configuration) print one line and exit 2.
+Checkpoints are read as titan_dmuon/checkpoint.py loads them: no code is unpickled (a `.metadata` naming other
+classes is refused). Errors (not a checkpoint, another model configuration) print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -108,13 +109,24 @@ def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[in
 
 
 def read_dcp_metadata(src: Path):
-    """{fqn: TensorStorageMetadata} of the model weights (`model.<fqn>` keys) of DCP checkpoint `src`."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """{fqn: TensorStorageMetadata} of the model weights (`model.<fqn>` keys) of DCP checkpoint `src`, read
+    with titan_dmuon/checkpoint.py's `read_metadata`: a `.metadata` naming anything but DCP's metadata classes
+    is refused, never unpickled into running code."""
+    import pickle
+
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from titan_dmuon.checkpoint import read_metadata
 
     if not (src / ".metadata").is_file():
         raise ConversionError(f"{src} is not a DCP checkpoint folder (no .metadata): give a step-<N> folder")
-    metadata = FileSystemReader(str(src)).read_metadata()
+    try:
+        metadata = read_metadata(src)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise ConversionError(
+            f"{src / '.metadata'} is not DCP checkpoint metadata ({type(e).__name__}: {e}); nothing was loaded: "
+            "give a checkpoint folder written by train.py (torch.distributed.checkpoint)"
+        ) from None
     entries = {
         key.removeprefix("model."): md
         for key, md in metadata.state_dict_metadata.items()
@@ -131,13 +143,14 @@ def stream_dcp(src: Path, entries: dict, order: list[str], max_bytes: int) -> It
     `max_bytes` (one tensor alone when it is larger); no process group."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from titan_dmuon.checkpoint import SafeLoadPlanner, SafeReader
 
     def load(group: list[str]):
         sd = {f"model.{k}": torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in group}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, storage_reader=FileSystemReader(str(src)), no_dist=True)
+            dcp.load(sd, storage_reader=SafeReader(src), planner=SafeLoadPlanner(), no_dist=True)
         for k in group:
             yield k, sd.pop(f"model.{k}")
 

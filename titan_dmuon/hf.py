@@ -4,7 +4,9 @@
 A model family's `ModelSpec.state_dict_adapter` maps its FQNs and layouts to HF's (models/llama3/
 state_dict_adapter.py). `load_hf_weights` fills the template `OptimizerComponent.model_state_dict()` returns,
 on every rank, reading only that rank's share from the memory-mapped safetensors files: a plain slice where
-the conversion is a rename, one full matrix at a time where it moves rows (the RoPE q/k permutation).
+the conversion is a rename, the HF rows its rows come from where it moves rows (the RoPE q/k permutation: a
+contiguous range of our rows is at most two contiguous HF row ranges per head), and one full matrix only where
+the shard itself interleaves rows (FSDP2 over TP, _StridedShard).
 `scripts/convert_checkpoint.py` turns a DCP checkpoint into an HF folder with `export_hf`.
 
 safetensors (and transformers, for the tests) are dev dependencies, imported only when these functions run.
@@ -42,7 +44,8 @@ class StateDictAdapter(Protocol):
         ...
 
     def needs_full_tensor(self, fqn: str) -> bool:
-        """True when `from_hf` moves elements: a shard must be taken from the converted full tensor."""
+        """True when `from_hf` moves elements: then it must permute whole rows (dim 0) only, so that a shard's
+        rows can be read from the HF rows they come from (`_hf_rows` finds the map by converting row indices)."""
         ...
 
     def to_hf(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -194,8 +197,9 @@ def load_hf_weights(model_sd: dict[str, torch.Tensor], folder: str | os.PathLike
     """Fill the template `model_sd` (our FQNs; plain tensors or DTensors, this rank's share) in place from the
     HF folder `folder`, converting each tensor with `adapter` and casting to the template's dtype.
 
-    Each rank reads only its share: a slice of the memory-mapped file where the conversion is a rename, one
-    full matrix at a time where it moves rows (then takes its share). HF tensors that the template does not
+    Each rank reads only its share: a slice of the memory-mapped file where the conversion is a rename, the
+    runs of HF rows its rows come from where it moves rows, and the full matrix (one at a time) only for a
+    template that is not a DTensor block (a plain tensor, a _StridedShard). HF tensors that the template does not
     name are ignored (e.g. `rotary_emb.inv_freq`); a template key with no HF tensor, or a shape that differs,
     is a ValueError naming the folder, the tensor and the fix.
     """
@@ -261,8 +265,30 @@ def _fill(template: torch.Tensor, f, name: str, fqn: str, adapter: StateDictAdap
     if local.numel() == 0:
         return
     region = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    src = full()[region] if adapter.needs_full_tensor(fqn) else f.get_slice(name)[region]
-    local.copy_(src)
+    if adapter.needs_full_tensor(fqn):
+        rows = _hf_rows(adapter, fqn, template.shape[0])[region[0]]
+        local.copy_(_read_rows(f.get_slice(name), rows, region[1:]))
+    else:
+        local.copy_(f.get_slice(name)[region])
+
+
+def _hf_rows(adapter: StateDictAdapter, fqn: str, n_rows: int) -> torch.Tensor:
+    """HF row index of each of our rows of `fqn`: `from_hf` applied to a column of row indices (it permutes rows
+    only, StateDictAdapter.needs_full_tensor)."""
+    rows = adapter.from_hf(fqn, torch.arange(n_rows).unsqueeze(1)).squeeze(1)
+    if rows.shape != (n_rows,) or not torch.equal(rows.sort().values, torch.arange(n_rows)):
+        raise ValueError(f"{type(adapter).__name__}.from_hf({fqn!r}) is not a permutation of rows")
+    return rows
+
+
+def _read_rows(hf_slice, rows: torch.Tensor, rest: tuple[slice, ...]) -> torch.Tensor:
+    """HF rows `rows` (in that order) of a safetensors slice, columns etc. `rest`, reading each contiguous run of
+    HF rows once: only the elements returned are read."""
+    sorted_rows, order = rows.sort()
+    breaks = (torch.nonzero(sorted_rows.diff() != 1).flatten() + 1).tolist()
+    bounds = zip([0, *breaks], [*breaks, len(rows)], strict=True)
+    runs = [hf_slice[(slice(int(sorted_rows[a]), int(sorted_rows[b - 1]) + 1), *rest)] for a, b in bounds]
+    return torch.cat(runs)[order.argsort()]
 
 
 __all__ = [

@@ -163,7 +163,7 @@ def _load_sharded(rank: int, world_size: int, folder: str, layout: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,world_size", [("fsdp", 2), ("hsdp", 4), ("dp_tp", 4)])
+@pytest.mark.parametrize("layout,world_size", [("fsdp", 2), ("fsdp", 3), ("hsdp", 4), ("dp_tp", 4)])
 def test_load_into_sharded_templates(tmp_path, layout, world_size):
     model = _tiny()
     sd = model.state_dict()
@@ -176,10 +176,11 @@ def test_load_into_sharded_templates(tmp_path, layout, world_size):
         assert sorted(r["params"]) == sorted(sd)
         for k, t in sd.items():
             assert torch.equal(r["params"][k], t), k
-        # each rank read its share of every tensor, and whole matrices only where the permutation needs them
+        # each rank read exactly its share of every tensor, q/k included (on 3 ranks their shards cut heads in
+        # the middle); whole matrices only where FSDP2 over TP interleaves the shard (_StridedShard)
         for k, t in sd.items():
             name = adapter.to_hf_name(k)
-            whole = adapter.needs_full_tensor(k) or "_StridedShard" in r["placements"][k]
+            whole = "_StridedShard" in r["placements"][k]
             assert r["reads"].get(name, 0) == (t.numel() if whole else r["local"][name]), k
 
 
@@ -225,6 +226,34 @@ def test_convert_checkpoint_dcp_to_hf_torch_and_back(tmp_path, capsys):
     assert convert.main([str(tmp_path / "dcp"), str(tmp_path / "again.pt"), "--format", "torch", *TINY_ARGS]) == 0
     again = torch.load(tmp_path / "again.pt", weights_only=True)
     assert all(torch.equal(again[k], v) for k, v in sd.items())
+
+
+class _TouchOnUnpickle:
+    """A pickle that, loaded with plain pickle.load, creates the file `path`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_convert_checkpoint_refuses_metadata_that_would_run_code(tmp_path, capsys):
+    import pickle
+
+    convert = load_script("convert_checkpoint")
+    # the payload is live: a plain unpickling (DCP's stock FileSystemReader) creates the file
+    pickle.loads(pickle.dumps(_TouchOnUnpickle(tmp_path / "proof")))
+    assert (tmp_path / "proof").exists()
+    step = tmp_path / "checkpoint" / "step-5"
+    step.mkdir(parents=True)
+    marker = tmp_path / "PWNED"
+    (step / ".metadata").write_bytes(pickle.dumps(_TouchOnUnpickle(marker)))
+    for fmt, dst in (("hf", tmp_path / "hf"), ("torch", tmp_path / "model.pt")):
+        assert convert.main([str(step), str(dst), "--format", fmt, *TINY_ARGS]) == 2
+        err = capsys.readouterr().err
+        assert f"{step / '.metadata'} is not DCP checkpoint metadata" in err and "nothing was loaded" in err, err
+        assert not marker.exists() and not dst.exists()
 
 
 def test_convert_checkpoint_reads_the_saved_config_and_reports_errors(tmp_path, capsys):

@@ -86,6 +86,42 @@ def test_config_ffn_size_is_the_models_w1_and_the_published_one(flavor):
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
 
 
+def test_row_ranges_of_q_k_read_only_their_hf_rows(tmp_path):
+    """A shard's contiguous range of our q/k rows, cut anywhere (mid-head too), comes from at most two runs of
+    HF rows per head it touches, and only those elements are read (the index reference gives the HF layout)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from titan_dmuon.hf import _hf_rows, _read_rows
+
+    model = _tiny()
+    adapter = SPEC.state_dict_adapter(model)
+    w = torch.randn(4 * 16, 6)  # 4 heads of head_dim 16, as tinymodel's wq
+    save_file({"q": _reference_to_hf(w, 4)}, str(tmp_path / "q.safetensors"))
+    rows = _hf_rows(adapter, "layers.0.attention.wq.weight", w.shape[0])
+    with safe_open(str(tmp_path / "q.safetensors"), framework="pt") as f:
+        sl = f.get_slice("q")
+
+        class _Spy:  # records the elements of each read
+            def __init__(self):
+                self.reads: list[int] = []
+
+            def __getitem__(self, region):
+                t = sl[region]
+                self.reads.append(t.numel())
+                return t
+
+        for start in range(w.shape[0]):
+            for stop in range(start + 1, w.shape[0] + 1):
+                for cols in (slice(0, 6), slice(2, 5)):
+                    spy = _Spy()
+                    got = _read_rows(spy, rows[start:stop], (cols,))
+                    assert torch.equal(got, w[start:stop, cols]), (start, stop, cols)
+                    assert sum(spy.reads) == got.numel()
+                    heads = (stop - 1) // 16 - start // 16 + 1
+                    assert len(spy.reads) <= 2 * heads, (start, stop)
+
+
 def test_export_then_load_is_bitwise_and_permutes_only_q_k(tmp_path):
     model = _tiny()
     sd = model.state_dict()
