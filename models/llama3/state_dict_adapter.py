@@ -7,8 +7,8 @@ permutation `transformers`' convert_llama_weights_to_hf applies to Meta's checkp
 are the same matrices under other names.
 
 `titan_dmuon/hf.py` drives the adapter (export_hf, load_hf_weights); `scripts/convert_checkpoint.py` converts
-DCP checkpoints with it. It works on whole tensors: a caller that holds a shard reads the full matrix for
-the names where `needs_full_tensor` is true and plain slices for the others.
+DCP checkpoints with it. It works on whole tensors: a caller that holds a shard reads plain slices where
+`needs_full_tensor` is false, and where it is true the HF rows its rows come from (`from_hf` permutes rows only).
 """
 
 from __future__ import annotations
