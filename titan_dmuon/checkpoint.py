@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
+from titan_dmuon.parallel.process_group import new_group_with_timeout, raised_collective_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
 _METADATA = ".metadata"
 _CONFIG = "config.toml"
+_MODEL_ONLY = "model_only"  # marks a last_save_model_only checkpoint: keep_latest_k neither counts nor deletes it
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +80,8 @@ def validate_checkpoint_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
     if c.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {c.keep_latest_k}")
+    if c.timeout_seconds < 1:
+        raise ConfigError(f"checkpoint.timeout_seconds must be >= 1, got {c.timeout_seconds}")
     if c.load_step < -1:
         raise ConfigError(f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {c.load_step}")
     if c.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
@@ -241,14 +245,18 @@ class CheckpointManager:
         self.dp_rank, self.dp_world_size, self.global_batch_size = dp_rank, dp_world_size, global_batch_size
         self.device, self.seed = device, seed
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.folder = Path(cfg.job.dump_folder) / self.c.folder
+        # rank 0's absolute path: a relative dump folder means the same folder on every rank, whatever its cwd
+        self.folder = Path(self._broadcast_object(str((Path(cfg.job.dump_folder) / self.c.folder).resolve())))
         self.loaded_step: int | None = None
         self._tokens_seen = 0
         self._pending: tuple[Any, Path, Path, int, float] | None = None  # (future, temporary, final, step, t0)
         self._pg = None
         if self.c.enable and self.c.async_mode != "disabled":
-            # the save thread's collectives run beside the training step's: they need a group of their own
-            self._pg = dist.new_group(backend="gloo")
+            # the save thread's collectives run beside the training step's: they need a group of their own,
+            # bounded by checkpoint.timeout_seconds (not lowered to comm.train_timeout_seconds after step 1)
+            self._pg = new_group_with_timeout(self.c.timeout_seconds)
+        self._stager = None  # async_with_pinned_mem: one DefaultStager (its pinned buffers) for every save
+        self._shared_checked = False  # the first save checks that every rank sees the folder
         self.memory: list[dict[str, Any]] = []
         """Per save/load on this rank: RSS before, peak RSS after, this rank's state bytes (also logged)."""
 
@@ -306,20 +314,37 @@ class CheckpointManager:
             self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only)
 
     def save(self, step: int, tokens_seen: int, model_only: bool = False) -> None:
+        # A rank may wait in a save's collectives for a slower writer, and every rank for rank 0's commit
+        # (fsync, rename, prune): bounded by checkpoint.timeout_seconds, not by comm.train_timeout_seconds.
+        with raised_collective_timeout(self.c.timeout_seconds):
+            self._save(step, tokens_seen, model_only)
+
+    def _save(self, step: int, tokens_seen: int, model_only: bool) -> None:
         self._finish_pending()
         final = self.folder / f"step-{step}"
-        temp = None
+        temp, error = None, None
         if self.rank == 0:
             if final.exists():
                 logger.warning("checkpoint: %s exists already; not overwriting it (this save is skipped)", final)
             else:
                 temp = self.folder / f"step-{step}.tmp-{uuid.uuid4().hex[:12]}"
-                temp.mkdir(parents=True)
-                (temp / _CONFIG).write_text(dump_toml(self._resolved_config()))
-        temp = self._broadcast_object(None if temp is None else str(temp))
+                try:
+                    temp.mkdir(parents=True)
+                    (temp / _CONFIG).write_text(dump_toml(self._resolved_config()))
+                    if model_only:
+                        (temp / _MODEL_ONLY).write_text("model weights only (checkpoint.last_save_model_only)\n")
+                except OSError as e:  # told to every rank, which would otherwise wait for rank 0 in DCP
+                    shutil.rmtree(temp, ignore_errors=True)
+                    error = f"checkpoint: cannot write {temp} ({type(e).__name__}: {e}); check checkpoint.folder"
+        temp, error = self._broadcast_object((None if temp is None else str(temp), error))
+        if error:
+            raise CheckpointError(error)
         if temp is None:
             return
         temp = Path(temp)
+        if not self._shared_checked:
+            self._check_shared(temp, remove=temp)
+            self._shared_checked = True
         rss_before, peak_before = _rss_mib()
         t0 = time.perf_counter()
         state = self._state_dict(step, tokens_seen, model_only)
@@ -332,9 +357,11 @@ class CheckpointManager:
         else:
             kwargs: dict[str, Any] = {}
             if self.c.async_mode == "async_with_pinned_mem":
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                if self._stager is None:  # pinned buffers allocated once and reused (the previous save is done)
+                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                kwargs["async_stager"] = DefaultStager(StagingOptions(True, False, False, False))
+                    self._stager = DefaultStager(StagingOptions(True, False, False, False))
+                kwargs["async_stager"] = self._stager
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
             self._pending = (future, temp, final, step, t0)
             self._record("save (staged)", step, rss_before, peak_before, share, gather=False)
@@ -365,13 +392,46 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
+        """Keep the newest keep_latest_k full checkpoints: a model-only one neither counts nor is deleted (it
+        cannot be resumed from, so it must not push out the newest one that can)."""
         if self.c.keep_latest_k <= 0:
             return
-        for step in complete_steps(self.folder)[: -self.c.keep_latest_k]:
+        full = [s for s in complete_steps(self.folder) if not (self.folder / f"step-{s}" / _MODEL_ONLY).exists()]
+        for step in full[: -self.c.keep_latest_k]:
             path = self.folder / f"step-{step}"
             doomed = self.folder / f"step-{step}.deleting-{uuid.uuid4().hex[:12]}"
             os.rename(path, doomed)  # out of sight first: a kill mid-delete leaves no partial step-<N>
             shutil.rmtree(doomed, ignore_errors=True)
+
+    def _check_shared(self, folder: Path, remove: Path | None = None) -> None:
+        """Every rank must see the file rank 0 writes in `folder` (created if absent): a checkpoint written to
+        node-local disks is incomplete on each node, loads nowhere and is never cleaned up. Otherwise
+        CheckpointError on every rank (rank 0 first deletes `remove`, so nothing half-written stays)."""
+        if self.world_size == 1:
+            return
+        name, error = None, None
+        if self.rank == 0:
+            name = f".shared-check-{uuid.uuid4().hex[:12]}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_text("every rank must see this file\n")
+            except OSError as e:
+                error = f"checkpoint: cannot write in {folder} ({type(e).__name__}: {e}); check checkpoint.folder"
+        name, error = self._broadcast_object((name, error))
+        if error:
+            raise CheckpointError(error)
+        seen: list[bool | None] = [None] * self.world_size
+        dist.all_gather_object(seen, (folder / name).is_file())
+        if self.rank == 0:
+            (folder / name).unlink(missing_ok=True)
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            if self.rank == 0 and remove is not None:
+                shutil.rmtree(remove, ignore_errors=True)
+            raise CheckpointError(
+                f"checkpoint.folder must be on a filesystem every rank sees (resolved path {self.folder}): rank(s) "
+                f"{blind} do not see the file rank 0 wrote there; put job.dump_folder on a shared filesystem"
+            )
 
     def _resolved_config(self) -> JobConfig:
         import dataclasses
@@ -414,11 +474,17 @@ class CheckpointManager:
         initial_load_path's weights were loaded)."""
         if not self.c.enable and not self.c.initial_load_path:
             return 0, 0
+        with raised_collective_timeout(self.c.timeout_seconds):
+            return self._load()
+
+    def _load(self) -> tuple[int, int]:
+        if not self.c.enable:  # the folder is not this run's: start from initial_load_path only
+            return self._initial_load()
+        self._check_shared(self.folder)
         choice = self._broadcast_object(self._choose() if self.rank == 0 else None)
         if isinstance(choice, str):
             raise CheckpointError(choice)
-        if self.c.enable:
-            self.clean_temporaries()
+        self.clean_temporaries()
         if choice is None:
             if self.c.initial_load_path:
                 return self._initial_load()
@@ -458,19 +524,34 @@ class CheckpointManager:
 
     def _initial_load(self) -> tuple[int, int]:
         path = Path(self.c.initial_load_path)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint.initial_load_path {path} is not a folder")
-        if any(path.glob("*.safetensors")):
-            return self._initial_load_hf(path)
-        if not (path / _METADATA).is_file():
+        kind = self._broadcast_object(self._initial_kind(path) if self.rank == 0 else None)  # one decision
+        if kind not in ("hf", "dcp"):
+            raise CheckpointError(kind)
+        seen: list[bool | None] = [None] * self.world_size  # each rank reads the folder itself
+        dist.all_gather_object(seen, path.is_dir())
+        if not all(seen):
             raise CheckpointError(
-                f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({_METADATA})"
+                f"checkpoint.initial_load_path {path} is not a folder on rank(s) "
+                f"{[r for r, ok in enumerate(seen) if not ok]}: it must be on a filesystem every rank sees"
             )
+        if kind == "hf":
+            return self._initial_load_hf(path)
         step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False)
         if self.c.initial_load_model_only:
             logger.info("checkpoint: started from the model weights of %s", path)
             return 0, 0
         return step, self._tokens_seen
+
+    @staticmethod
+    def _initial_kind(path: Path) -> str:
+        """Rank 0: "hf" (a Hugging Face folder), "dcp" (a DCP checkpoint), or the error message."""
+        if not path.is_dir():
+            return f"checkpoint.initial_load_path {path} is not a folder"
+        if any(path.glob("*.safetensors")):
+            return "hf"
+        if not (path / _METADATA).is_file():
+            return f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({_METADATA})"
+        return "dcp"
 
     def _initial_load_hf(self, path: Path) -> tuple[int, int]:
         """The weights of a Hugging Face folder, each rank reading its share (titan_dmuon/hf.py)."""
@@ -616,6 +697,9 @@ class CheckpointManager:
         """Finish (and commit) an async save in flight; without `graceful`, leave it uncommitted."""
         if graceful:
             self._finish_pending()
+            if self._stager is not None:  # its pinned buffers; not while an abandoned save may still read them
+                self._stager.close()
+                self._stager = None
         self._pending = None
 
 

@@ -216,8 +216,8 @@ class Comm:
     """
     train_timeout_seconds: int = 100
     """Timeout of every collective after the first step (torch's default: 30 min on gloo, 10 on NCCL): a dead or hung
-    rank ends the job after this long. Raise it when a checkpoint save or validation keeps some ranks out of
-    collectives for longer.
+    rank ends the job after this long. Raise it when validation keeps some ranks out of collectives for longer
+    (checkpoint saves and loads are bounded by checkpoint.timeout_seconds instead).
     """
     heartbeat_seconds: float = 5.0
     """Interval of each rank's heartbeat (a counter in the rendezvous store). Ranks 0 and world-1 watch the others and
@@ -259,6 +259,10 @@ class Checkpoint:
     """
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights of a model-only last checkpoint (last_save_model_only); full checkpoints stay float32."""
+    timeout_seconds: int = 1800
+    """Timeout of every collective of a save or a load (instead of comm.train_timeout_seconds): a rank may wait this
+    long for a peer still writing its files, or for rank 0 committing (fsync, rename, deleting old checkpoints).
+    """
 
 
 @dataclass

@@ -11,12 +11,18 @@ aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here where unset).
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from titan_dmuon.config import Comm
+
+_OWN_TIMEOUT: weakref.WeakSet = weakref.WeakSet()
+"""Groups made by new_group_with_timeout: set_collective_timeout leaves their timeout alone."""
 
 
 def init_process_group(device: torch.device, comm: Comm) -> None:
@@ -33,10 +39,45 @@ def init_process_group(device: torch.device, comm: Comm) -> None:
 
 def set_collective_timeout(seconds: float) -> None:
     """Bound every collective of every process group this process has made so far (the default group and the
-    mesh's) by `seconds`; groups made later get torch's default."""
+    mesh's) by `seconds`, except those made by new_group_with_timeout; groups made later get torch's default."""
     timeout = timedelta(seconds=seconds)
     for group in list(dist.distributed_c10d._world.pg_map):
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        if group not in _OWN_TIMEOUT:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def new_group_with_timeout(seconds: float) -> dist.ProcessGroup:
+    """A gloo group over every rank bounded by `seconds`, which set_collective_timeout does not lower: e.g. the
+    async checkpoint thread's, whose save may take much longer than a training collective may wait."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    _OWN_TIMEOUT.add(group)
+    return group
+
+
+def _timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The group's current collective timeout (None where the backend does not say)."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        if device in group._device_types:
+            options = getattr(group._get_backend(device), "options", None)
+            if options is not None and hasattr(options, "_timeout"):
+                return options._timeout
+    return None
+
+
+@contextmanager
+def raised_collective_timeout(seconds: float) -> Iterator[None]:
+    """Bound the default group's collectives by at least `seconds` inside the block, then restore its timeout:
+    for phases (a checkpoint save or load) in which a rank may wait that long for a slower peer."""
+    group = dist.distributed_c10d._get_default_group()
+    before = _timeout(group)
+    if before is None or before >= timedelta(seconds=seconds):
+        yield
+        return
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, group)
 
 
 def ranks_per_node() -> int:

@@ -119,3 +119,263 @@ def test_config_errors(flag, value, match):
 def test_pinned_memory_needs_cuda():
     with pytest.raises(ConfigError, match="needs CUDA"):
         validate_checkpoint_config(parse_args(["--checkpoint.async_mode", "async_with_pinned_mem"]))
+
+
+# ---------------------------------------------------- the manager on real gloo ranks, with a stand-in state
+class _Component:
+    """The optimizer component's DCP face (the checkpoint contract) over one weight and one momentum tensor,
+    the same on every rank (DCP de-duplicates the keys)."""
+
+    def __init__(self, value: float):
+        self.w, self.momentum = torch.full((4,), value), torch.zeros(4)
+
+    def model_state_dict(self):
+        return {"w": self.w}  # aliases live storage: dcp.load writes into it
+
+    def load_model_state_dict(self, sd):
+        pass
+
+    def state_dict(self):
+        return {"state": {"w": {"momentum": self.momentum}}}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+class _Loader:
+    """One row of the global batch per rank (row = rank), never advanced."""
+
+    def __init__(self, rank: int):
+        self.rows = [rank]
+
+    def position(self):
+        return {"step": 0, "rows": {j: [0, 0, 0] for j in self.rows}}
+
+
+def _manager(rank: int, world: int, dump, *args: str, value: float = 1.0):
+    import types
+
+    from titan_dmuon.checkpoint import CheckpointManager
+
+    cfg = parse_args(["--job.dump_folder", str(dump), "--checkpoint.enable", "true", *args])
+    return CheckpointManager(
+        cfg,
+        optim=_Component(value),
+        lr_scheduler=types.SimpleNamespace(last_epoch=0),
+        dataloader=_Loader(rank),
+        dp_rank=rank,
+        dp_world_size=world,
+        global_batch_size=world,
+        device=torch.device("cpu"),
+        seed=0,
+    )
+
+
+def _hide_from_this_rank(folder) -> None:
+    """This process alone gets an empty tmpfs over `folder` (a private mount namespace): it no longer sees what
+    the other ranks write there, as on a node without the shared filesystem."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 0x40000
+    if libc.unshare(clone_newns) != 0 or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
+        raise OSError(ctypes.get_errno(), "unshare/mount")
+    if libc.mount(b"none", os.fsencode(folder), b"tmpfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs on {folder}")
+
+
+def _slow_save(rank: int, world: int, dump, async_mode: str):
+    """A save in which rank 1 writes its files 3 s after rank 0 and rank 0 commits 3 s after rank 1, under a
+    training timeout of 1 s (set after the manager made its async group, as the trainer does after step 1)."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from titan_dmuon.checkpoint import CheckpointManager
+    from titan_dmuon.parallel.process_group import set_collective_timeout
+
+    manager = _manager(rank, world, dump, "--checkpoint.async_mode", async_mode, "--checkpoint.timeout_seconds", "60")
+    set_collective_timeout(1.0)
+    write_data, prune = FileSystemWriter.write_data, CheckpointManager._prune
+
+    def slow_write(self, plan, planner):
+        time.sleep(3.0)
+        return write_data(self, plan, planner)
+
+    def slow_prune(self):
+        time.sleep(3.0)
+        prune(self)
+
+    if rank == 1:
+        FileSystemWriter.write_data = slow_write
+    else:
+        CheckpointManager._prune = slow_prune
+    manager.save(1, 10)
+    manager.close()
+    set_collective_timeout(60.0)  # the harness's closing barrier
+    return complete_steps(dump / "checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_save_outlasting_the_training_timeout(tmp_path, async_mode):
+    """A save's collectives wait up to checkpoint.timeout_seconds, not comm.train_timeout_seconds."""
+    from tests._dist import run_distributed
+
+    assert run_distributed(_slow_save, 2, tmp_path, async_mode, timeout=120) == [[1], [1]]
+
+
+def _save_without_shared_folder(rank: int, world: int, dump):
+    from titan_dmuon.checkpoint import CheckpointError
+
+    manager = _manager(rank, world, dump)
+    if rank == 1:
+        _hide_from_this_rank(dump)
+    try:
+        manager.save(1, 10)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_checkpoint_folder_not_shared_is_an_error_on_every_rank(tmp_path):
+    """Rank 1 does not see rank 0's dump folder: the first save fails on both ranks, naming the folder, and
+    leaves nothing in it (no temporary, no "complete" checkpoint)."""
+    from tests._dist import run_distributed
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    errors = run_distributed(_save_without_shared_folder, 2, dump, timeout=120)
+    folder = dump / "checkpoint"
+    for error in errors:
+        assert error and "filesystem every rank sees" in error and str(folder) in error and "[1]" in error
+    assert list(folder.iterdir()) == []
+
+
+def _initial_load_not_shared(rank: int, world: int, dump, initial):
+    from titan_dmuon.checkpoint import CheckpointError
+
+    if rank == 1:
+        _hide_from_this_rank(initial.parent)
+    manager = _manager(rank, world, dump, "--checkpoint.initial_load_path", str(initial))
+    try:
+        manager.load()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_initial_load_path_seen_by_one_rank_only_is_an_error_on_every_rank(tmp_path):
+    """Rank 0 sees a DCP checkpoint at initial_load_path, rank 1 sees nothing there: an error on both, no hang."""
+    from tests._dist import run_distributed
+
+    initial = tmp_path / "elsewhere" / "step-3"
+    dcp.save({"model": {"w": torch.full((4,), 3.0)}}, checkpoint_id=initial, no_dist=True)
+    errors = run_distributed(_initial_load_not_shared, 2, tmp_path / "dump", initial, timeout=120)
+    assert errors[0] == errors[1] and f"initial_load_path {initial} is not a folder on rank(s) [1]" in errors[0]
+
+
+def _save_with_unwritable_folder(rank: int, world: int, dump):
+    from pathlib import Path
+
+    from titan_dmuon.checkpoint import CheckpointError
+
+    manager = _manager(rank, world, dump)
+    if rank == 0:
+
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(self))
+
+        Path.mkdir = refuse
+    try:
+        manager.save(1, 10)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_rank_0_unable_to_write_fails_every_rank(tmp_path):
+    from tests._dist import run_distributed
+
+    errors = run_distributed(_save_with_unwritable_folder, 2, tmp_path, timeout=120)
+    assert errors[0] == errors[1] and "Permission denied" in errors[0]
+
+
+def _initial_load_with_checkpoint_disabled(rank: int, world: int, dump, initial):
+    saver = _manager(rank, world, dump, value=5.0)
+    saver.save(5, 50)
+    loader = _manager(rank, world, dump, "--checkpoint.enable", "false", "--checkpoint.initial_load_path", str(initial))
+    return loader.load(), loader.optim.w
+
+
+@pytest.mark.slow
+def test_initial_load_path_with_checkpoints_disabled_ignores_the_folder(tmp_path):
+    """checkpoint.enable = false: initial_load_path's weights, not the folder's newest checkpoint."""
+    from tests._dist import run_distributed
+
+    initial = tmp_path / "initial"
+    dcp.save({"model": {"w": torch.full((4,), 3.0)}}, checkpoint_id=initial, no_dist=True)
+    ((step_tokens, w),) = run_distributed(_initial_load_with_checkpoint_disabled, 1, tmp_path / "dump", initial)
+    assert step_tokens == (0, 0)
+    assert torch.equal(w, torch.full((4,), 3.0))
+
+
+def _prune_around_model_only(rank: int, world: int, dump):
+    manager = _manager(rank, world, dump, "--checkpoint.keep_latest_k", "1")
+    folder, seen = dump / "checkpoint", []
+    manager.save(2, 20)
+    manager.save(4, 40, model_only=True)
+    seen.append(complete_steps(folder))
+    manager.save(6, 60)
+    seen.append(complete_steps(folder))
+    manager.save(8, 80, model_only=True)
+    seen.append(complete_steps(folder))
+    return seen
+
+
+@pytest.mark.slow
+def test_keep_latest_k_counts_full_checkpoints_only(tmp_path):
+    """keep_latest_k = 1 with model-only saves in between: the newest full checkpoint always survives, and a
+    model-only one neither counts nor is deleted."""
+    from tests._dist import run_distributed
+
+    (seen,) = run_distributed(_prune_around_model_only, 1, tmp_path)
+    assert seen == [[2, 4], [4, 6], [4, 6, 8]]
+    for step, full in ((4, False), (6, True), (8, False)):
+        keys = read_metadata(tmp_path / "checkpoint" / f"step-{step}").state_dict_metadata
+        assert any(k.startswith("optimizer.") for k in keys) == full
+
+
+def _pinned_saves(rank: int, world: int, dump):
+    from torch.distributed.checkpoint import staging
+
+    made, closed = [], []
+
+    class Stager(staging.DefaultStager):  # DefaultStager minus the pinned memory (no CUDA here)
+        def __init__(self, options):
+            assert options.use_pinned_memory
+            super().__init__(staging.StagingOptions(False, False, False, False))
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    staging.DefaultStager = Stager
+    manager = _manager(rank, world, dump, "--checkpoint.async_mode", "async_with_pinned_mem")
+    for step in (1, 2, 3):
+        manager.save(step, step)
+    manager.close()
+    return len(made), closed == made, complete_steps(dump / "checkpoint")
+
+
+@pytest.mark.slow
+def test_pinned_memory_stager_is_made_once_and_closed(tmp_path):
+    """async_with_pinned_mem: one stager (its pinned buffers) serves every save, closed by close()."""
+    from tests._dist import run_distributed
+
+    assert run_distributed(_pinned_saves, 1, tmp_path) == [(1, True, [1, 2, 3])]
