@@ -21,8 +21,8 @@ Atomicity: every rank writes into `step-<N>.tmp-<id>`; once DCP's coordinator (r
 `.metadata` (after every rank reported its files written), rank 0 fsyncs it and renames the folder to
 `step-<N>` (fsync of the parent). A killed save leaves only a temporary, which loading ignores and the next
 job's rank 0 deletes; keep_latest_k counts complete folders and prunes only after the new one is in place.
-An async save is committed when it finishes (checked after each step), at the latest before the next
-save starts and at close().
+An async save is committed by its own thread as soon as it finishes; training waits for that only before
+the next save starts and at close().
 
 Loading never unpickles code: `.metadata` is read by an unpickler that admits only DCP's metadata classes,
 and non-tensor items are read with torch.load(weights_only=True). A missing, partial or mismatched
@@ -42,6 +42,7 @@ import resource
 import shutil
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,7 @@ class CheckpointManager:
         self.folder = Path(self._broadcast_object(str((Path(cfg.job.dump_folder) / self.c.folder).resolve())))
         self.loaded_step: int | None = None
         self._tokens_seen = 0
-        self._pending: tuple[Any, Path, Path, int, float] | None = None  # (future, temporary, final, step, t0)
+        self._pending: Future | None = None  # the async save in flight, done once committed
         self._pg = None
         if self.c.enable and self.c.async_mode != "disabled":
             # the save thread's collectives run beside the training step's: they need a group of their own,
@@ -363,21 +364,34 @@ class CheckpointManager:
                     self._stager = DefaultStager(StagingOptions(True, False, False, False))
                 kwargs["async_stager"] = self._stager
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
-            self._pending = (future, temp, final, step, t0)
+            self._pending = self._commit_when_done(future, temp, final, step, t0)
             self._record("save (staged)", step, rss_before, peak_before, share, gather=False)
 
+    def _commit_when_done(self, future: Future, temp: Path, final: Path, step: int, t0: float) -> Future:
+        """The async save's commit, run by the save's thread as soon as the save is done: rank 0's fsync, rename
+        and prune must not hold the other ranks, which train on, in their next collective."""
+        committed: Future = Future()
+
+        def commit(done: Future) -> None:
+            try:
+                done.result()
+                self._commit(temp, final, step, t0)
+                committed.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - raised by _finish_pending in the training thread
+                committed.set_exception(e)
+
+        future.add_done_callback(commit)
+        return committed
+
     def _poll(self) -> None:
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._pending.done():
             self._finish_pending()
 
     def _finish_pending(self) -> None:
-        """Wait for the async save in flight (its errors raise here) and commit it."""
-        if self._pending is None:
-            return
-        future, temp, final, step, t0 = self._pending
-        self._pending = None
-        future.result()
-        self._commit(temp, final, step, t0)
+        """Wait for the async save in flight and its commit (their errors raise here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def _commit(self, temp: Path, final: Path, step: int, t0: float) -> None:
         """Rank 0, once DCP's coordinator wrote .metadata (every rank's files are written by then): make the

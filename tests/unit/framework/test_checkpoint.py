@@ -187,9 +187,11 @@ def _hide_from_this_rank(folder) -> None:
 
 def _slow_save(rank: int, world: int, dump, async_mode: str):
     """A save in which rank 1 writes its files 3 s after rank 0 and rank 0 commits 3 s after rank 1, under a
-    training timeout of 1 s (set after the manager made its async group, as the trainer does after step 1)."""
+    training timeout of 1 s (set after the manager made its async group, as the trainer does after step 1),
+    then training steps (one collective each) while an async save is still being written and committed."""
     import time
 
+    import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
     from titan_dmuon.checkpoint import CheckpointManager
@@ -212,6 +214,10 @@ def _slow_save(rank: int, world: int, dump, async_mode: str):
     else:
         CheckpointManager._prune = slow_prune
     manager.save(1, 10)
+    for step in range(2, 18):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.5)
+        manager.maybe_save(step, 10 * step)
     manager.close()
     set_collective_timeout(60.0)  # the harness's closing barrier
     return complete_steps(dump / "checkpoint")
