@@ -396,3 +396,33 @@ def _ok_dump(proc: subprocess.CompletedProcess) -> Path:
     """The TensorBoard folder of a successful launch."""
     _ok(proc)
     return Path(proc.args[proc.args.index("--job.dump_folder") + 1]) / "tb"
+
+
+def test_relative_dump_folder_with_another_cwd_per_rank(tmp_path):
+    """2 ranks, each started in a directory of its own, with a relative job.dump_folder: the folder is rank 0's
+    (resolved there and broadcast), so the checkpoint is whole (both ranks' files, loadable) and no rank writes
+    anything under its own directory."""
+    wrapper = tmp_path / "rank_cwd.sh"
+    wrapper.write_text(f'#!/bin/bash\ncd {tmp_path}/n$RANK && exec {sys.executable} {REPO / "train.py"} "$@"\n')
+    wrapper.chmod(0o755)
+    for rank in (0, 1):
+        (tmp_path / f"n{rank}").mkdir()
+    nproc, layout_args = LAYOUTS["fsdp2"]
+    argv = COMMON[2:] + layout_args + ["--config", str(REPO / "train_configs/debug_model.toml")]
+    argv += ["--training.steps", "2", "--checkpoint.interval", "2", "--job.dump_folder", "dump"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    _ok(
+        subprocess.run(
+            [*torchrun, "--no-python", str(wrapper), *argv],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
+    assert checkpoints(tmp_path / "n0" / "dump") == ["step-2"]
+    step2 = tmp_path / "n0" / "dump" / "checkpoint" / "step-2"
+    assert sorted(p.name for p in step2.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert read_checkpoint(step2)["train_state.step"].item() == 2
+    assert not (tmp_path / "n1" / "dump" / "checkpoint").exists()
