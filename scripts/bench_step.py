@@ -48,6 +48,7 @@ Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank
     python3 scripts/bench_step.py                      # N=4, d=256, ff=1024, 4 layers, batch 8, 10 steps
     python3 scripts/bench_step.py --nproc 2 --z2       # also DMuon-Z2
     python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
+    python3 scripts/bench_step.py --ns-dtype bfloat16  # every Muon config's Newton-Schulz in bf16
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
     python3 scripts/bench_step.py --device cuda --nproc 1 --d 2048 --ff 8192 --batch 4096 --trace /tmp/trace
 """
@@ -91,6 +92,11 @@ def make_model(args: argparse.Namespace) -> TinyMLP:
     return TinyMLP(args.d, args.ff, args.layers).to(rank_device(args))
 
 
+def ns_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """--ns-dtype for every Muon configuration alike (None: the library's default, fp32 on CPU, bf16 on CUDA)."""
+    return getattr(torch, args.ns_dtype) if args.ns_dtype else None
+
+
 def make_batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(args.batch, args.d, generator=g).to(rank_device(args))
@@ -109,7 +115,7 @@ def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True):
     model = make_model(args)
     dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
     shard_all(model, mesh)
-    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS)
+    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS, ns_dtype=ns_dtype(args))
     return model, opt
 
 
@@ -120,7 +126,14 @@ def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
         model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
     )
     shard_all(model, mesh2d)
-    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS, replicate_async=replicate_async)
+    opt = dmuon.Muon(
+        model,
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        ns_coefficients=NS_COEFFS,
+        replicate_async=replicate_async,
+        ns_dtype=ns_dtype(args),
+    )
     return model, opt
 
 
@@ -142,6 +155,7 @@ def build_naive(mesh, args: argparse.Namespace):
         adamw_betas=ADAMW_BETAS,
         adamw_eps=ADAMW_EPS,
         adamw_weight_decay=ADAMW_WD,
+        ns_dtype=ns_dtype(args),
     )
     return model, opt
 
@@ -424,8 +438,8 @@ def report(
     )
     print(
         f"bench_step: {where}, d={args.d} ff={args.ff} "
-        f"layers={args.layers} batch={args.batch}; {args.steps} timed steps after {args.warmup} warmup, configs "
-        f"interleaved step by step; per step max over ranks, then mean"
+        f"layers={args.layers} batch={args.batch} NS {args.ns_dtype or 'default dtype'}; {args.steps} timed steps "
+        f"after {args.warmup} warmup, configs interleaved step by step; per step max over ranks, then mean"
     )
     print(f"1-min load average: {load[0]:.2f} before the steps, {load[1]:.2f} after")
     print(
@@ -484,6 +498,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="number of blocks (default 4)")
     p.add_argument("--batch", type=int, default=8, help="rows of input per rank (default 8)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, a GPU per rank)")
+    p.add_argument(
+        "--ns-dtype",
+        default="",
+        choices=("", "float32", "bfloat16"),
+        help="Newton-Schulz dtype of every Muon config (default: the library's, fp32 on CPU, bf16 on CUDA)",
+    )
     p.add_argument("--trace", default="", metavar="DIR", help="also write a torch.profiler chrome trace per rank here")
     p.add_argument("--trace-steps", type=int, default=3, help="DMuon steps in the trace (default 3)")
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")

@@ -10,9 +10,11 @@ drifting during the benchmark hits them alike.
 
     python3 scripts/bench_train.py                        # 4 ranks, debugmodel, 8 x 128 tokens/rank, 15 steps
     python3 scripts/bench_train.py --nproc 2 --steps 20 --warmup 5 -- --training.seq_len 256
+    python3 scripts/bench_train.py --repeats 2 --optimizers dmuon adamw --ns-dtypes float32 bfloat16
 
 Prints one summary line: `bench_train: ... dmuon X, muon_naive Y, adamw Z tok/s/rank | dmuon/muon_naive = R,
-dmuon/adamw = S`.
+dmuon/adamw = S` (with several --ns-dtypes, each DMuon run against the baseline with the same NS dtype),
+and the range of the 1-minute load average over the runs.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIMIZERS = ("dmuon", "muon_naive", "adamw")
 
 
-def run_once(optimizer: str, args: argparse.Namespace, dump: str) -> list[float]:
-    """Train once; the per-step tokens/s after the warmup steps."""
+def run_once(optimizer: str, args: argparse.Namespace, dump: str, extra: Sequence[str] = ()) -> list[float]:
+    """Train once (train.py flags `extra` added); the per-step tokens/s after the warmup steps."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cmd = [
@@ -59,6 +62,7 @@ def run_once(optimizer: str, args: argparse.Namespace, dump: str) -> list[float]
         "--metrics.enable_tensorboard",
         "true",
         *args.extra,
+        *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -88,6 +92,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS, help="optimizer.name values to run"
     )
+    p.add_argument(
+        "--ns-dtypes",
+        nargs="+",
+        default=[""],
+        choices=("", "float32", "bfloat16"),
+        help="run dmuon and muon_naive once per optimizer.muon.ns_dtype given (labelled e.g. dmuon:bfloat16), "
+        "interleaved with the rest; default: the config's",
+    )
     p.add_argument("extra", nargs="*", help="more train.py flags, after `--`")
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
@@ -95,23 +107,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def runs_of(args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
+    """label -> (optimizer.name, extra train.py flags): the Muon optimizers once per --ns-dtypes entry."""
+    runs = {}
+    for opt in args.optimizers:
+        for dtype in args.ns_dtypes if opt != "adamw" else [""]:
+            label = f"{opt}:{dtype}" if dtype and len(args.ns_dtypes) > 1 else opt
+            runs[label] = (opt, ["--optimizer.muon.ns_dtype", dtype] if dtype else [])
+    return runs
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    tps: dict[str, list[float]] = {opt: [] for opt in args.optimizers}
+    runs = runs_of(args)
+    tps: dict[str, list[float]] = {label: [] for label in runs}
     t0 = time.perf_counter()
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for r in range(args.repeats):
-            for opt in args.optimizers:
-                tps[opt] += run_once(opt, args, os.path.join(tmp, f"{opt}{r}"))
-    rate = {opt: combined(v) for opt, v in tps.items()}
-    ratios = [f"dmuon/{opt} = {rate['dmuon'] / rate[opt]:.3f}" for opt in rate if opt != "dmuon" and "dmuon" in rate]
+            for label, (opt, extra) in runs.items():
+                tps[label] += run_once(opt, args, os.path.join(tmp, f"{opt}{r}{label}"), extra)
+                load.append(os.getloadavg()[0])
+    rate = {label: combined(v) for label, v in tps.items()}
+    ratios = []
+    for label in rate:
+        if label.startswith("dmuon"):
+            suffix = label.removeprefix("dmuon")  # vs the baseline with the same NS dtype, and vs AdamW
+            ratios += [
+                f"{label}/{other} = {rate[label] / rate[other]:.3f}"
+                for other in (f"muon_naive{suffix}", "adamw")
+                if other in rate
+            ]
     print(
         f"bench_train: {args.flavor}, {args.nproc} CPU ranks, {args.batch}x{args.seq_len} tokens/rank/step, "
         f"steps {args.warmup + 1}-{args.steps} x {args.repeats}: "
         + ", ".join(f"{opt} {v:,.0f}" for opt, v in rate.items())
         + " tok/s/rank"
         + (f" | {', '.join(ratios)}" if ratios else "")
-        + f" ({time.perf_counter() - t0:.0f} s)"
+        + f" ({time.perf_counter() - t0:.0f} s; 1-min load {min(load):.1f}-{max(load):.1f})"
     )
 
 

@@ -381,10 +381,14 @@ def adamw_step(group: dict, states) -> None:
 
 
 def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
-    """Decoupled weight decay, then the lr-scaled orthogonal step (lr scaled by the full logical shape)."""
+    """Decoupled weight decay, then the lr-scaled orthogonal step (lr scaled by the full logical shape).
+
+    A tall matrix's NS result is a transposed view: it is made contiguous (a blocked transpose copy) before the
+    add, since an elementwise add that reads it transposed is ~5x slower on CPU; the values are the same."""
     data = dp._owned_data
-    data.mul_(1 - opts["lr"] * opts["weight_decay"])
-    data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
+    if opts["weight_decay"]:
+        data.mul_(1 - opts["lr"] * opts["weight_decay"])
+    data.add_(ortho.contiguous().to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
 
 
 def _finish_tp(pgroup, tp_jobs, tp_column) -> Work:
