@@ -6,6 +6,7 @@ number of steps for every configuration):
   dmuon             dmuon.dedicate_params (Z3 by default) on the "proj" matrices, fully_shard each layer and
                     the root, dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
   dmuon_z2          the same with reshard_after_forward=False (only with --z2).
+  dmuon_1by1        dmuon with its owner Newton-Schulz one matrix a call (only with --one-by-one).
   naive_fsdp2_muon  every param fully_shard-ed by FSDP2; at step time each Muon-target grad shard is
                     all-gathered (DTensor.full_tensor()), every rank runs momentum + the same Newton-Schulz
                     on the full matrix and applies its own shard of the update; AdamW (foreach) on the rest:
@@ -49,6 +50,7 @@ Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank
     python3 scripts/bench_step.py --nproc 2 --z2       # also DMuon-Z2
     python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
     python3 scripts/bench_step.py --ns-dtype bfloat16  # every Muon config's Newton-Schulz in bf16
+    python3 scripts/bench_step.py --one-by-one         # also DMuon with its owner NS one matrix a call
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
     python3 scripts/bench_step.py --device cuda --nproc 1 --d 2048 --ff 8192 --batch 4096 --trace /tmp/trace
 """
@@ -75,6 +77,7 @@ if REPO_ROOT not in sys.path:
 from models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
 from titan_dmuon import dmuon  # noqa: E402
 from titan_dmuon.components.optimizer import NaiveMuon  # noqa: E402
+from titan_dmuon.dmuon.newton_schulz import NS_MAX_BATCH_ELEMENTS  # noqa: E402
 
 # Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for every optimizer).
 MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
@@ -111,11 +114,18 @@ def shard_all(model: TinyMLP, mesh) -> None:
 
 
 # ---- the three configurations ----------------------------------------------------------------------------
-def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True):
+def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None):
     model = make_model(args)
     dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
     shard_all(model, mesh)
-    opt = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR, ns_coefficients=NS_COEFFS, ns_dtype=ns_dtype(args))
+    opt = dmuon.Muon(
+        model,
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        ns_coefficients=NS_COEFFS,
+        ns_dtype=ns_dtype(args),
+        ns_max_batch_elements=max_batch or args.ns_max_batch_elements,
+    )
     return model, opt
 
 
@@ -133,6 +143,7 @@ def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
         ns_coefficients=NS_COEFFS,
         replicate_async=replicate_async,
         ns_dtype=ns_dtype(args),
+        ns_max_batch_elements=args.ns_max_batch_elements,
     )
     return model, opt
 
@@ -338,6 +349,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         builders: list[tuple[str, Callable]] = [("dmuon", lambda: build_dmuon(mesh, args, z3=True))]
         if args.z2:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
+        if args.one_by_one:
+            builders.append(("dmuon_1by1", lambda: build_dmuon(mesh, args, max_batch=args.d * args.ff)))
         builders += [
             ("naive_fsdp2_muon", lambda: build_naive(mesh, args)),
             ("fsdp2_adamw", lambda: build_adamw(mesh, args)),
@@ -472,8 +485,9 @@ def report(
         )
     d, n, a = results["dmuon"]["total"], results["naive_fsdp2_muon"]["total"], results["fsdp2_adamw"]["total"]
     z2 = ""
-    if "dmuon_z2" in results:
-        z2 = f"dmuon_z2 {results['dmuon_z2']['total'] * ms:.1f} ms, "
+    for extra in ("dmuon_z2", "dmuon_1by1"):
+        if extra in results:
+            z2 += f"{extra} {results[extra]['total'] * ms:.1f} ms, "
     print(
         f"bench_step N={world} d={args.d} ff={args.ff} layers={args.layers}: dmuon {d * ms:.1f} ms, {z2}"
         f"naive_fsdp2_muon {n * ms:.1f} ms, fsdp2_adamw {a * ms:.1f} ms | naive/dmuon {n / d:.2f}x, "
@@ -504,8 +518,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("", "float32", "bfloat16"),
         help="Newton-Schulz dtype of every Muon config (default: the library's, fp32 on CPU, bf16 on CUDA)",
     )
+    p.add_argument(
+        "--ns-max-batch-elements",
+        type=int,
+        default=NS_MAX_BATCH_ELEMENTS,
+        help="dmuon.Muon's bound on one batched owner NS call (d*ff: one matrix a call, one by one)",
+    )
     p.add_argument("--trace", default="", metavar="DIR", help="also write a torch.profiler chrome trace per rank here")
     p.add_argument("--trace-steps", type=int, default=3, help="DMuon steps in the trace (default 3)")
+    p.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="also time DMuon with its owner NS one matrix a call (dmuon_1by1: ns_max_batch_elements = d*ff)",
+    )
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")
     p.add_argument(
         "--hsdp",
