@@ -36,7 +36,12 @@ from titan_dmuon.parallel import ParallelDims, materialize, parallelize
 from titan_dmuon.parallel.failures import comm_failures, describe_comm_failure
 from titan_dmuon.parallel.heartbeat import Heartbeat
 from titan_dmuon.parallel.layout import check_node_layout, describe_layout, gather_places, node_names, this_place
-from titan_dmuon.parallel.process_group import init_process_group, ranks_per_node, set_collective_timeout
+from titan_dmuon.parallel.process_group import (
+    destroy_process_groups,
+    init_process_group,
+    ranks_per_node,
+    set_collective_timeout,
+)
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
@@ -397,7 +402,10 @@ class Trainer:
                 self.optim.close()
             self.optim = None
         if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+            if graceful:  # frees the groups now, joining gloo's threads (see destroy_process_groups)
+                destroy_process_groups()
+            else:
+                dist.destroy_process_group()
             self._owns_process_group = False
 
 

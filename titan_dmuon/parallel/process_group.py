@@ -10,6 +10,7 @@ aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here where unset).
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Iterator
@@ -78,6 +79,36 @@ def raised_collective_timeout(seconds: float) -> Iterator[None]:
         yield
     finally:
         dist.distributed_c10d._set_pg_timeout(before, group)
+
+
+def destroy_process_groups() -> int:
+    """Destroy every process group (`dist.destroy_process_group()`) and free them now: returns how many
+    references to a destroyed group were dropped.
+
+    destroy_process_group only unregisters the groups; their C++ backends live on while a Python object still
+    holds them (torch's DeviceMesh `_pg_registry`, FSDP2's `FSDPMeshInfo.shard_process_group`, DMuon's state),
+    and those live until the interpreter's teardown, with gloo's worker threads. A worker that drops the last
+    reference to a finished collective (e.g. `all_gather_object`'s tensors) during that teardown must take the
+    GIL, and CPython then ends the thread inside a C++ destructor: "terminate called without an active
+    exception", SIGABRT after a clean run. Dropping the references here frees each backend while the
+    interpreter is alive, which joins its threads. Only after a clean end: a group stuck in a collective
+    with a dead peer would hold its join until the timeout."""
+    dist.destroy_process_group()
+    dropped = 0
+    for obj in gc.get_objects():
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            continue
+        for name, value in list(attrs.items()):
+            if isinstance(value, dist.ProcessGroup):
+                attrs[name] = None
+                dropped += 1
+            elif isinstance(value, dict):
+                for key in [k for k, v in list(value.items()) if isinstance(v, dist.ProcessGroup)]:
+                    del value[key]
+                    dropped += 1
+    gc.collect()
+    return dropped
 
 
 def ranks_per_node() -> int:
