@@ -69,6 +69,8 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     import torch
     import torch.distributed as dist
 
+    from titan_dmuon.parallel.process_group import destroy_process_groups
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -96,6 +98,9 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
         dist.barrier()  # no rank tears down while another still talks to it
         with open(path, "wb") as f:
             pickle.dump(("ok", result), f)
+        # Free every group now, joining gloo's worker threads while the interpreter is alive: a worker that lets
+        # go of an async collective's tensors during interpreter teardown aborts the process (SIGABRT).
+        destroy_process_groups()
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         with open(path, "wb") as f:
             pickle.dump(("error", traceback.format_exc()), f)
