@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,18 +96,20 @@ def destroy_process_groups() -> int:
     with a dead peer would hold its join until the timeout."""
     dist.destroy_process_group()
     dropped = 0
-    for obj in gc.get_objects():
-        attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict):
-            continue
-        for name, value in list(attrs.items()):
-            if isinstance(value, dist.ProcessGroup):
-                attrs[name] = None
-                dropped += 1
-            elif isinstance(value, dict):
-                for key in [k for k, v in list(value.items()) if isinstance(v, dist.ProcessGroup)]:
-                    del value[key]
+    with warnings.catch_warnings():  # the scan touches deprecated torch objects (`dist.reduce_op`): no noise
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            attrs = getattr(obj, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            for name, value in list(attrs.items()):
+                if isinstance(value, dist.ProcessGroup):
+                    attrs[name] = None
                     dropped += 1
+                elif isinstance(value, dict):
+                    for key in [k for k, v in list(value.items()) if isinstance(v, dist.ProcessGroup)]:
+                        del value[key]
+                        dropped += 1
     gc.collect()
     return dropped
 
