@@ -132,10 +132,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "weight-decay-after-update",
         "titan_dmuon/dmuon/muon.py",
-        '    data.mul_(1 - opts["lr"] * opts["weight_decay"])\n'
-        '    data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))\n',
-        '    data.add_(ortho.to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))\n'
-        '    data.mul_(1 - opts["lr"] * opts["weight_decay"])\n',
+        '    if opts["weight_decay"]:\n'
+        '        data.mul_(1 - opts["lr"] * opts["weight_decay"])\n'
+        "    data.add_(ortho.contiguous().to(data.dtype), "
+        'alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))\n',
+        "    data.add_(ortho.contiguous().to(data.dtype), "
+        'alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))\n'
+        '    if opts["weight_decay"]:\n'
+        '        data.mul_(1 - opts["lr"] * opts["weight_decay"])\n',
         ("tests/distributed/test_dmuon_fsdp.py",),
         "decoupled weight decay also shrinks this step's update: not torch.optim.Muon's step",
     ),
