@@ -99,18 +99,28 @@ def destroy_process_groups() -> int:
     with warnings.catch_warnings():  # the scan touches deprecated torch objects (`dist.reduce_op`): no noise
         warnings.simplefilter("ignore", FutureWarning)
         for obj in gc.get_objects():
-            attrs = getattr(obj, "__dict__", None)
-            if not isinstance(attrs, dict):
+            try:
+                dropped += _drop_group_refs(obj)
+            except ReferenceError:  # a dead weakref.proxy (torch.compile keeps some): nothing to drop
                 continue
-            for name, value in list(attrs.items()):
-                if isinstance(value, dist.ProcessGroup):
-                    attrs[name] = None
-                    dropped += 1
-                elif isinstance(value, dict):
-                    for key in [k for k, v in list(value.items()) if isinstance(v, dist.ProcessGroup)]:
-                        del value[key]
-                        dropped += 1
     gc.collect()
+    return dropped
+
+
+def _drop_group_refs(obj: object) -> int:
+    """Drop the process groups `obj` holds in its attributes (or in a dict attribute); how many."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return 0
+    dropped = 0
+    for name, value in list(attrs.items()):
+        if isinstance(value, dist.ProcessGroup):
+            attrs[name] = None
+            dropped += 1
+        elif isinstance(value, dict):
+            for key in [k for k, v in list(value.items()) if isinstance(v, dist.ProcessGroup)]:
+                del value[key]
+                dropped += 1
     return dropped
 
 
