@@ -106,6 +106,7 @@ class Trainer:
             raise ConfigError(f"model.tokenizer: {e}") from None
         # 5b. Data, checked before the model is built (a bad dataset is a config error, not a late traceback): this
         #     DP rank's rows of each global batch of local x DP x accumulation rows (and of the held-out split).
+        self.global_batch_size = t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps
         try:
             self.dataloader = build_dataloader(
                 dataset=t.dataset,
@@ -116,7 +117,7 @@ class Trainer:
                 dp_world_size=self.dp_world_size,
                 local_batch_size=t.local_batch_size,
                 seq_len=t.seq_len,
-                global_batch_size=t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+                global_batch_size=self.global_batch_size,
                 split="train",
                 seed=self.seed,
                 text_documents=t.text_documents,
@@ -160,7 +161,7 @@ class Trainer:
             dataloader=self.dataloader,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_world_size,
-            global_batch_size=t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+            global_batch_size=self.global_batch_size,
             device=self.device,
             seed=self.seed,
         )
@@ -325,7 +326,7 @@ class Trainer:
         logger.info(
             "Training %d steps: global batch %d x %d tokens (local %d x %d DP ranks x %d accumulation)",
             t.steps,
-            t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps,
+            self.global_batch_size,
             t.seq_len,
             t.local_batch_size,
             self.dp_world_size,
