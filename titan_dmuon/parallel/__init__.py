@@ -3,7 +3,7 @@ the meta device; materialize(model): each rank allocates and initializes its sha
 
 from .materialize import global_index, materialize
 from .parallel_dims import MESH_DIM_NAMES, ParallelDims
-from .parallelize import apply_ac, apply_compile, apply_fsdp, parallelize
+from .parallelize import apply_ac, apply_compile, apply_fsdp, fsdp_blocks, parallelize
 
 __all__ = [
     "MESH_DIM_NAMES",
@@ -11,6 +11,7 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_fsdp",
+    "fsdp_blocks",
     "global_index",
     "materialize",
     "parallelize",

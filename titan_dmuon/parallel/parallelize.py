@@ -102,6 +102,26 @@ def apply_compile(blocks: Blocks) -> None:
 
 
 # --------------------------------------------------------------------------------------------- FSDP2
+MIN_BLOCK_UNIT_FRACTION = 0.01
+"""A block is an FSDP2 unit of its own only while FSDP2 still shards at least this fraction of its params.
+With DMuon a Llama block keeps only its two norm vectors (2·dim of ~12·dim² elements): as a unit it would
+cost an all-gather in forward, another in backward and a reduce-scatter per block per step, each a fixed
+collective latency for a few KB. Left to the root unit they are gathered once per step with the embeddings
+(all blocks' norms: 2·dim·n_layers elements, 1M at 405B, unsharded from forward to the end of backward)."""
+
+
+def fsdp_blocks(blocks: Blocks, ignored_params: set[nn.Parameter]) -> list[nn.Module]:
+    """The blocks worth their own FSDP2 unit: those whose params outside `ignored_params` are at least
+    MIN_BLOCK_UNIT_FRACTION of their params (every block when nothing is ignored)."""
+    out = []
+    for _, block in blocks:
+        sizes = [(p.numel(), p in ignored_params) for p in block.parameters()]
+        kept = sum(n for n, ign in sizes if not ign)
+        if kept and kept >= MIN_BLOCK_UNIT_FRACTION * sum(n for n, _ in sizes):
+            out.append(block)
+    return out
+
+
 def apply_fsdp(
     model: nn.Module,
     blocks: Blocks,
@@ -112,8 +132,9 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """fully_shard every block, then the root (embeddings, final norm, output), over the DP mesh, leaving
-    `ignored_params` (the optimizer's own, e.g. DMuon's dedicated matrices) to their owner.
+    """fully_shard the blocks that keep most of their params (`fsdp_blocks`), then the root (embeddings,
+    final norm, output, and the params of any other block), over the DP mesh, leaving `ignored_params` (the
+    optimizer's own, e.g. DMuon's dedicated matrices) to their owner.
 
     fsdp_reshard_after_forward: "default" reshards the blocks but not the root (the root's params are used
     again at the very start of backward), "always" reshards all, "never" none (ZeRO-2).
@@ -122,7 +143,16 @@ def apply_fsdp(
     fsdp_mesh = dims.fsdp_mesh(mesh)
     mode = cfg.parallelism.fsdp_reshard_after_forward
     ignored = ignored_params or None
-    for _, block in blocks:
+    units = fsdp_blocks(blocks, ignored_params or set())
+    if len(units) < len(blocks):
+        logger.info(
+            "FSDP2: %d of %d blocks are units of their own; the other blocks keep under %.0f%% of their params "
+            "once the optimizer's are set aside, and the root unit gathers those",
+            len(units),
+            len(blocks),
+            100 * MIN_BLOCK_UNIT_FRACTION,
+        )
+    for block in units:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=mode != "never", ignored_params=ignored)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=mode == "always", ignored_params=ignored)
 

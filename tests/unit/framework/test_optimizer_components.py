@@ -105,6 +105,26 @@ def test_protocol(one_rank, name) -> None:
     component.close()
 
 
+@pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
+def test_fsdp_units(one_rank, name) -> None:
+    """Under DMuon a block keeps only its norms for FSDP2: no unit of its own (its norms join the root's, one
+    all-gather per step instead of three small collectives per block); under the others every block is a unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model, component = _build(_cfg(name), one_rank)
+    units = [isinstance(block, FSDPModule) for _, block in component.spec.blocks(model)]
+    assert units == [name != "dmuon"] * 2
+    assert isinstance(model, FSDPModule)
+    # the norms are still FSDP2's (DTensors, now of the root unit) and train: their grads reach the optimizer
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    assert norms and all(isinstance(p, DTensor) for p in norms.values())
+    before = {n: p.full_tensor().clone() for n, p in norms.items()}
+    for step in range(2):
+        _train_step(model, component, step)
+    assert all(not torch.equal(before[n], p.full_tensor()) for n, p in norms.items())
+    component.close()
+
+
 def _state_tensors(sd: dict) -> dict[str, torch.Tensor]:
     out = {}
     for fqn, entry in sd["state"].items():

@@ -97,3 +97,22 @@ def test_family_without_tp_plan_is_a_config_error() -> None:
     model = spec.build("tinymodel", vocab_size=64)
     with pytest.raises(ConfigError, match="tensor_parallel_degree = 2: model family tiny_mlp has no TP plan"):
         apply_tensor_parallel(model, SimpleNamespace(size=lambda: 2), JobConfig(), spec)
+
+
+def test_fsdp_blocks_keeps_blocks_with_enough_params() -> None:
+    """A block is its own FSDP2 unit while FSDP2 shards >= 1% of its params: not when the optimizer took all
+    but its norms, nor when it took everything."""
+    import torch.nn as nn
+
+    from titan_dmuon.parallel import fsdp_blocks
+
+    def block(n_matrix: int, n_norm: int) -> nn.Module:
+        b = nn.Module()
+        b.w = nn.Parameter(torch.zeros(n_matrix))
+        b.norm = nn.Parameter(torch.zeros(n_norm))
+        return b
+
+    blocks = [("a", block(199, 1)), ("b", block(99, 1)), ("c", block(100, 0))]
+    assert fsdp_blocks(blocks, set()) == [b for _, b in blocks]
+    ignored = {b.w for _, b in blocks}
+    assert fsdp_blocks(blocks, ignored) == [blocks[1][1]]  # 0.5% kept: none; 1%: a unit; nothing kept: none

@@ -50,7 +50,7 @@ class DMuon(OptimizerComponent):
             self.muon_predicate,
             replicate_mesh=mesh["replicate"] if dims.hsdp else None,
             reshard_after_forward=self.cfg.optimizer.dmuon.reshard_after_forward,
-            # one packed broadcast/reduce per block, the same units FSDP2 shards (the root for anything else)
+            # one packed broadcast/reduce per block (FSDP2 leaves the blocks to its root unit: fsdp_blocks)
             hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
             param_dtype=param_dtype,
             reduce_dtype=getattr(torch, self.cfg.training.mixed_precision_reduce),  # as FSDP2's reduce_dtype
