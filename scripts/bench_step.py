@@ -3,14 +3,16 @@
 What it measures, in one run on the same N ranks (same TinyMLP init, same per-rank data, same
 number of steps for every configuration):
 
-  dmuon             dmuon.dedicate_params (Z3 by default) on the "proj" matrices, fully_shard each layer and
-                    the root, dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
+  dmuon             dmuon.dedicate_params (Z3 by default) on the "proj" matrices, then FSDP2 as train.py
+                    applies it: each layer is left with its LayerNorm only, so only the root is a unit
+                    (titan_dmuon.parallel.fsdp_blocks); dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
   dmuon_z2          the same with reshard_after_forward=False (only with --z2).
   dmuon_1by1        dmuon with its owner Newton-Schulz one matrix a call (only with --one-by-one).
-  naive_fsdp2_muon  every param fully_shard-ed by FSDP2; at step time each Muon-target grad shard is
-                    all-gathered (DTensor.full_tensor()), every rank runs momentum + the same Newton-Schulz
-                    on the full matrix and applies its own shard of the update; AdamW (foreach) on the rest:
-                    the `muon_naive` optimizer component's NaiveMuon (titan_dmuon/components/optimizer/).
+  naive_fsdp2_muon  every param fully_shard-ed by FSDP2 (each layer a unit, then the root); at step time
+                    each Muon-target grad shard is all-gathered (DTensor.full_tensor()), every rank runs
+                    momentum + the same Newton-Schulz on the full matrix and applies its own shard of the
+                    update; AdamW (foreach) on the rest: the `muon_naive` optimizer component's NaiveMuon
+                    (titan_dmuon/components/optimizer/).
   fsdp2_adamw       FSDP2 + torch.optim.AdamW (foreach) on every param.
   hsdp_sync         (only with --hsdp R) DMuon on the HSDP mesh (R, N/R) = ("replicate", "shard"):
                     dedicate_params(model, mesh["shard"], replicate_mesh=mesh["replicate"]) (Z3), fully_shard
@@ -63,7 +65,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -78,6 +80,7 @@ from models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
 from titan_dmuon import dmuon  # noqa: E402
 from titan_dmuon.components.optimizer import NaiveMuon  # noqa: E402
 from titan_dmuon.dmuon.newton_schulz import NS_MAX_BATCH_ELEMENTS  # noqa: E402
+from titan_dmuon.parallel import fsdp_blocks  # noqa: E402
 
 # Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for every optimizer).
 MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
@@ -105,10 +108,12 @@ def make_batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
     return torch.randn(args.batch, args.d, generator=g).to(rank_device(args))
 
 
-def shard_all(model: TinyMLP, mesh) -> None:
+def shard_all(model: TinyMLP, mesh, dedicated: Iterable[nn.Parameter] = ()) -> None:
+    """FSDP2 as train.py applies it (titan_dmuon.parallel.fsdp_blocks): each layer its own unit while FSDP2
+    shards enough of it (under DMuon a layer keeps only its LayerNorm, which joins the root unit), then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
+    for layer in fsdp_blocks([(f"layers.{i}", m) for i, m in enumerate(model.layers)], set(dedicated)):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -116,8 +121,8 @@ def shard_all(model: TinyMLP, mesh) -> None:
 # ---- the three configurations ----------------------------------------------------------------------------
 def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None):
     model = make_model(args)
-    dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
-    shard_all(model, mesh)
+    owners = dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
+    shard_all(model, mesh, owners)
     opt = dmuon.Muon(
         model,
         lr=MUON_LR,
@@ -132,10 +137,10 @@ def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int 
 def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
     """DMuon (Z3) on the ("replicate", "shard") mesh, as tests/dmuon_harness.py builds HSDP."""
     model = make_model(args)
-    dmuon.dedicate_params(
+    owners = dmuon.dedicate_params(
         model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
     )
-    shard_all(model, mesh2d)
+    shard_all(model, mesh2d, owners)
     opt = dmuon.Muon(
         model,
         lr=MUON_LR,
