@@ -43,7 +43,7 @@ from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flav
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
-from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.parallel import ParallelDims, fsdp_blocks, parallelize
 from titan_dmuon.parallel.layout import describe_layout
 from titan_dmuon.parallel.parallelize import DTYPES
 
@@ -206,7 +206,8 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     fsdp_elem = next((p.dtype.itemsize for p in model.parameters() if p not in own), 4)
 
     # ---- memory per rank ----------------------------------------------------------------------------------
-    block_prefixes = tuple(f"{fqn}." for fqn, _ in spec.blocks(model))
+    units = {id(b) for b in fsdp_blocks(spec.blocks(model), own)}  # the others' params are the root unit's
+    block_prefixes = tuple(f"{fqn}." for fqn, b in spec.blocks(model) if id(b) in units)
     fsdp_numel, fsdp_root_numel = _fsdp_local_numel(model, own, mesh, block_prefixes)
     col_numel = np.zeros(N)  # P_col(s): dedicated (TP-local) elements owned in shard column s
     owner_numel = np.zeros((R, N))  # elements the global owner (s, r) updates
@@ -505,7 +506,7 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{naive['grad_all_gather'] / bscale:.2f}; NS on every rank)",
         f"  {'FSDP2 + AdamW':<46} {adamw['total'] / bscale:>34.3f} {bunit}  (all-gather, reduce-scatter, replicate "
         "all-reduce)",
-        _row("other params (FSDP2, the same in all three)", comm["other_params_fsdp2_bytes"], bscale, bunit),
+        _row("other params (FSDP2: embeddings, norms, output)", comm["other_params_fsdp2_bytes"], bscale, bunit),
         "",
         f"Planned in {p['planner']['seconds']:.1f} s, {p['planner']['max_rss_bytes'] / GIB:.2f} GiB RSS",
     ]

@@ -201,8 +201,9 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (the innermost mesh axis)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """FSDP2 reshard_after_forward of the blocks: "default" reshards every block but the root (its params are needed
-    again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2).
+    """FSDP2 reshard_after_forward: "default" reshards every block unit but not the root (its params are needed
+    again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2). Under dmuon the
+    blocks are no FSDP2 units (their matrices are DMuon's; the norms join the root), so this sets only the root's.
     """
 
 

@@ -106,8 +106,9 @@ MIN_BLOCK_UNIT_FRACTION = 0.01
 """A block is an FSDP2 unit of its own only while FSDP2 still shards at least this fraction of its params.
 With DMuon a Llama block keeps only its two norm vectors (2·dim of ~12·dim² elements): as a unit it would
 cost an all-gather in forward, another in backward and a reduce-scatter per block per step, each a fixed
-collective latency for a few KB. Left to the root unit they are gathered once per step with the embeddings
-(all blocks' norms: 2·dim·n_layers elements, 1M at 405B, unsharded from forward to the end of backward)."""
+collective latency for a few KB. Left to the root unit they are gathered with the embeddings, once per step
+(twice with fsdp_reshard_after_forward = "always"): all blocks' norms, 2·dim·n_layers elements (4.1M at 405B),
+unsharded from forward to the end of backward."""
 
 
 def fsdp_blocks(blocks: Blocks, ignored_params: set[nn.Parameter]) -> list[nn.Module]:
@@ -132,7 +133,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
-    """fully_shard the blocks that keep most of their params (`fsdp_blocks`), then the root (embeddings,
+    """fully_shard the blocks that keep >= 1% of their params for FSDP2 (`fsdp_blocks`), then the root (embeddings,
     final norm, output, and the params of any other block), over the DP mesh, leaving `ignored_params` (the
     optimizer's own, e.g. DMuon's dedicated matrices) to their owner.
 
@@ -140,6 +141,10 @@ def apply_fsdp(
     again at the very start of backward), "always" reshards all, "never" none (ZeRO-2).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # A block unit does not cast its inputs: the hidden state already comes in param_dtype from the embedding,
+    # and the other input, the RoPE table, stays fp32 (as torchtitan's complex table, which FSDP2 never casts),
+    # whether the block is a unit or not (under DMuon it is not).
+    block_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     fsdp_mesh = dims.fsdp_mesh(mesh)
     mode = cfg.parallelism.fsdp_reshard_after_forward
     ignored = ignored_params or None
@@ -153,7 +158,9 @@ def apply_fsdp(
             100 * MIN_BLOCK_UNIT_FRACTION,
         )
     for block in units:
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=mode != "never", ignored_params=ignored)
+        fully_shard(
+            block, mesh=fsdp_mesh, mp_policy=block_mp, reshard_after_forward=mode != "never", ignored_params=ignored
+        )
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, reshard_after_forward=mode == "always", ignored_params=ignored)
 
 

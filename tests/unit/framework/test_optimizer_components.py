@@ -125,6 +125,23 @@ def test_fsdp_units(one_rank, name) -> None:
     component.close()
 
 
+@pytest.mark.parametrize("name", ["dmuon", "adamw"])
+def test_bf16_blocks_get_the_fp32_rope_table(one_rank, name) -> None:
+    """Under bf16 mixed precision a block computes in bf16 but rotates by the exact fp32 RoPE table, whether it
+    is an FSDP2 unit (adamw) or not (dmuon): FSDP2 would otherwise cast that input to bf16 for units only, and the
+    two optimizers would train different models."""
+    cfg = _cfg(name)
+    cfg.training.mixed_precision_param = "bfloat16"
+    model, component = _build(cfg, one_rank)
+    seen = []
+    block = component.spec.blocks(model)[0][1]
+    handle = block.register_forward_pre_hook(lambda _m, args: seen.append([a.dtype for a in args]))
+    model(_batch(0)[:, :-1])
+    handle.remove()
+    assert seen == [[torch.bfloat16, torch.float32]]
+    component.close()
+
+
 def _state_tensors(sd: dict) -> dict[str, torch.Tensor]:
     out = {}
     for fqn, entry in sd["state"].items():
