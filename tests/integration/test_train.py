@@ -240,6 +240,25 @@ def test_muon_naive_4_ranks_matches_dmuon(tmp_path, dmuon_4_ranks) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reshard,ac", [("always", "full"), ("never", "selective")])
+def test_root_reshard_modes_match_single_process(tmp_path, reference, reshard, ac) -> None:
+    """Under dmuon the blocks are no FSDP2 units, so their norms live in the root unit: resharded after forward
+    ("always": gathered again for backward and the checkpointed blocks' recompute) or kept ("never"), the run
+    is still the reference's."""
+    s = train(
+        2,
+        tmp_path,
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.fsdp_reshard_after_forward",
+        reshard,
+        "--activation_checkpoint.mode",
+        ac,
+    )
+    assert_same_run(s, reference)
+
+
+@pytest.mark.slow
 def test_hsdp_2x2_activation_checkpointing_grad_accumulation(tmp_path, reference) -> None:
     """HSDP (replicate 2 x shard 2), every block checkpointed, 2 micro-batches of 1 per rank (dmuon.no_sync on
     the first): still the reference's global batch, so still the reference's losses (AC recomputes exactly)."""
