@@ -119,19 +119,23 @@ def shard_all(model: TinyMLP, mesh, dedicated: Iterable[nn.Parameter] = ()) -> N
 
 
 # ---- the three configurations ----------------------------------------------------------------------------
-def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None):
-    model = make_model(args)
-    owners = dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
-    shard_all(model, mesh, owners)
-    opt = dmuon.Muon(
-        model,
+def dmuon_optimizer(model: nn.Module, args: argparse.Namespace, **options) -> dmuon.Muon:
+    """dmuon.Muon with the shared hyper-parameters and --ns-dtype / --ns-max-batch-elements (`options` override)."""
+    kwargs = dict(
         lr=MUON_LR,
         adamw_lr=ADAMW_LR,
         ns_coefficients=NS_COEFFS,
         ns_dtype=ns_dtype(args),
-        ns_max_batch_elements=max_batch or args.ns_max_batch_elements,
+        ns_max_batch_elements=args.ns_max_batch_elements,
     )
-    return model, opt
+    return dmuon.Muon(model, **{**kwargs, **options})
+
+
+def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None):
+    model = make_model(args)
+    owners = dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
+    shard_all(model, mesh, owners)
+    return model, dmuon_optimizer(model, args, ns_max_batch_elements=max_batch or args.ns_max_batch_elements)
 
 
 def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
@@ -141,16 +145,7 @@ def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
         model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
     )
     shard_all(model, mesh2d, owners)
-    opt = dmuon.Muon(
-        model,
-        lr=MUON_LR,
-        adamw_lr=ADAMW_LR,
-        ns_coefficients=NS_COEFFS,
-        replicate_async=replicate_async,
-        ns_dtype=ns_dtype(args),
-        ns_max_batch_elements=args.ns_max_batch_elements,
-    )
-    return model, opt
+    return model, dmuon_optimizer(model, args, replicate_async=replicate_async)
 
 
 def build_naive(mesh, args: argparse.Namespace):

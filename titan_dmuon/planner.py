@@ -206,8 +206,9 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     fsdp_elem = next((p.dtype.itemsize for p in model.parameters() if p not in own), 4)
 
     # ---- memory per rank ----------------------------------------------------------------------------------
-    units = {id(b) for b in fsdp_blocks(spec.blocks(model), own)}  # the others' params are the root unit's
-    block_prefixes = tuple(f"{fqn}." for fqn, b in spec.blocks(model) if id(b) in units)
+    blocks = spec.blocks(model)
+    units = {id(b) for b in fsdp_blocks(blocks, own)}  # the other blocks' params are the root unit's
+    block_prefixes = tuple(f"{fqn}." for fqn, b in blocks if id(b) in units)
     fsdp_numel, fsdp_root_numel = _fsdp_local_numel(model, own, mesh, block_prefixes)
     col_numel = np.zeros(N)  # P_col(s): dedicated (TP-local) elements owned in shard column s
     owner_numel = np.zeros((R, N))  # elements the global owner (s, r) updates
