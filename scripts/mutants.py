@@ -175,6 +175,49 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/distributed/test_dmuon_tp.py",),
         "async TP: an update applied at the next forward uses the lr the scheduler set after the step",
     ),
+    # ---- the backward: which reduces fire, and what the owner keeps ------------------------------------------
+    Mutant(
+        "reduce-on-last-local-grad",
+        "titan_dmuon/dmuon/group.py",
+        "        if not self._pending_nodes:\n            self.reduce_grads()\n",
+        "        if not self._pending_nodes and all(dp.local_grad is not None for dp in self.params):\n"
+        "            self.reduce_grads()\n",
+        ("tests/distributed/test_loop_conditional.py",),
+        "the reduce waits for every local grad: a rank that skipped a matrix reduces that group at the end of "
+        "backward, the others mid-backward, so the ranks' collectives go out in different orders (a hang)",
+    ),
+    Mutant(
+        "missing-zero-fill",
+        "titan_dmuon/dmuon/group.py",
+        "                    else:\n                        dst.zero_()\n",
+        "                    else:\n                        pass\n",
+        ("tests/distributed/test_loop_conditional.py",),
+        "a rank without a grad sends whatever the fresh packed buffer held instead of zeros",
+    ),
+    Mutant(
+        "unused-matrix-not-skipped",
+        "titan_dmuon/dmuon/group.py",
+        "fill_(float(has_grad))",
+        "fill_(1.0)",
+        ("tests/distributed/test_loop_conditional.py",),
+        "a matrix no rank used still gets momentum and weight decay from its owner (torch.optim.Muon skips it)",
+    ),
+    Mutant(
+        "user-clear-not-seen",
+        "titan_dmuon/dmuon/param.py",
+        "        if self._reduced_grad is None:\n            return\n        g = self.param.grad\n",
+        "        if True:\n            return\n        g = self.param.grad\n",
+        ("tests/distributed/test_loop_zero_grad.py",),
+        "model.zero_grad() / p.grad = None leave the owner's reduced grad: it accumulates across steps",
+    ),
+    Mutant(
+        "end-of-backward-never-queued",
+        "titan_dmuon/dmuon/group.py",
+        "            self.state.queue_final_callback(self._task)\n",
+        "            pass\n",
+        ("tests/distributed/test_loop_checkpointing.py",),
+        "no group ever ends its backward: after the first step every reduce is skipped and Muon silently stops",
+    ),
     # ---- ownership, communication, clipping --------------------------------------------------------------------
     Mutant(
         "lpt-ascending",

@@ -339,9 +339,10 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
     elements = {k: np.zeros(W) for k in kinds}
     nbytes = {k: np.zeros(W) for k in kinds}
     p_m = float(sum(dp.numel for dp in dps))
-    p_col = np.zeros(N)
+    p_col, m_col = np.zeros(N), np.zeros(N)
     for dp in dps:
         p_col[dp.owner_shard] += dp.numel
+        m_col[dp.owner_shard] += 1
     e_buf = dps[0].group.dtype.itemsize if dps else e_param
     gram = cfg.optimizer.dmuon.tp_distributed_gram
     mc = cfg.optimizer.muon  # the distributed Gram all-reduces one fp32 s×s Gram per restart segment of its NS
@@ -352,12 +353,12 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
         if N > 1:
             elements["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel
             nbytes["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel * e
-            elements["reduce"] += frac(N) * dp.numel
-            nbytes["reduce"] += frac(N) * dp.numel * e_red
+            elements["reduce"] += frac(N) * (dp.numel + 1)  # + its has-grad flag
+            nbytes["reduce"] += frac(N) * (dp.numel + 1) * e_red
         column = s_of == dp.owner_shard
         if R > 1:
-            elements["replicate_reduce"][column] += frac(R) * dp.numel
-            nbytes["replicate_reduce"][column] += frac(R) * dp.numel * e_red
+            elements["replicate_reduce"][column] += frac(R) * (dp.numel + 1)
+            nbytes["replicate_reduce"][column] += frac(R) * (dp.numel + 1) * e_red
             elements["replicate_broadcast"][column] += frac(R) * dp.numel
             nbytes["replicate_broadcast"][column] += frac(R) * dp.numel * 4  # the fp32 master
         if dp.tp_group is not None and T > 1:
@@ -374,10 +375,10 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
                     nbytes[k][owners] += frac(T) * full * 4  # fp32 update shards
     formula = {
         "broadcast": (2 if z3 else 1) * frac(N) * p_m,
-        "reduce": frac(N) * p_m,
-        "replicate_reduce (per rank: (R-1)/R P_col(shard))": frac(R) * p_col[s_of],
+        "reduce (+ one has-grad flag per matrix, M)": frac(N) * (p_m + len(dps)),
+        "replicate_reduce (per rank: (R-1)/R (P_col(shard) + M_col(shard)))": frac(R) * (p_col + m_col)[s_of],
         "replicate_broadcast (per rank)": frac(R) * p_col[s_of],
-        "replicate row sum of replicate_reduce = (R-1)/R P_M": frac(R) * p_m,
+        "replicate row sum of replicate_reduce = (R-1)/R (P_M + M)": frac(R) * (p_m + len(dps)),
     }
     dmuon_total = sum(nbytes.values())
     # Naive FSDP2 + Muon and FSDP2 + AdamW on the Muon matrices (FSDP2 over the same N, the TP-local P_M).
@@ -488,8 +489,8 @@ def format_plan(p: dict[str, Any]) -> str:
     lines.append(_row("DMuon total", comm["dmuon_total_bytes"], bscale, bunit))
     check = {
         "broadcast": "broadcast",
-        "reduce": "reduce",
-        "replicate_reduce": "replicate_reduce (per rank: (R-1)/R P_col(shard))",
+        "reduce": "reduce (+ one has-grad flag per matrix, M)",
+        "replicate_reduce": "replicate_reduce (per rank: (R-1)/R (P_col(shard) + M_col(shard)))",
         "replicate_broadcast": "replicate_broadcast (per rank)",
     }
     ok = all(
@@ -498,7 +499,7 @@ def format_plan(p: dict[str, Any]) -> str:
     )
     lines.append(
         f"  formulas (docs/dmuon.md): broadcast {'2' if c['dmuon_mode'] == 'Z3' else ''}(N-1)/N P_M, reduce "
-        f"(N-1)/N P_M, replicate_* (R-1)/R P_col(shard): {'equal' if ok else 'DIFFERENT'}"
+        f"(N-1)/N (P_M + M), replicate_* (R-1)/R P_col(shard) (+ M_col): {'equal' if ok else 'DIFFERENT'}"
     )
     lines += [
         f"  {'naive FSDP2 + Muon':<46} {naive['total'] / bscale:>34.3f} {bunit}  (all-gather "

@@ -28,13 +28,14 @@ def test_parity_invariants_bytes(world_size: int, z3: bool):
     assert sorted(f for r in results for f in r["owned"]) == sorted(k for k in ref_sd if "proj" in k)
     assert sum(1 for r in results if r["owned"]) == world_size
     # The Z2/Z3 bytes (docs/dmuon.md, Bytes per step): Z2 moves 2(N-1)/N·P_M, Z3 3(N-1)/N·P_M per rank per
-    # step; no all-gather.
-    n, p_m = world_size, r0["p_m"]
+    # step, plus the reduce's one has-grad flag per matrix (M of them); no all-gather.
+    n, p_m, m = world_size, r0["p_m"], r0["n_dedicated"]
     share = (n - 1) / n * p_m
+    flags = (n - 1) / n * m
     for r in results:
         for led in r["ledgers"]:
-            assert led["reduce"] == pytest.approx(share, rel=1e-12)
+            assert led["reduce"] == pytest.approx(share + flags, rel=1e-12)
             assert led["broadcast"] == pytest.approx((2 if z3 else 1) * share, rel=1e-12)
             assert led["replicate_reduce"] == led["replicate_broadcast"] == 0
             assert led["tp_gather"] == led["tp_scatter"] == 0
-            assert sum(led.values()) == pytest.approx((3 if z3 else 2) * share, rel=1e-12)
+            assert sum(led.values()) == pytest.approx((3 if z3 else 2) * share + flags, rel=1e-12)

@@ -46,19 +46,20 @@ def test_hsdp_bytes_match_formula_and_parity(mesh_shape, z3):
     R, N = mesh_shape
     results = run_distributed(train, R * N, "hsdp", mesh_shape, 3, z3=z3, check_every_step=True)
     assert_matches_reference(results, reference(R * N, 3))
-    p_m = results[0]["p_m"]
+    # the reduces also carry one has-grad flag per matrix: M in all, M_col in a column
+    p_m, m = results[0]["p_m"], results[0]["n_dedicated"]
     for r in results:
         for led in r["ledgers"]:
-            assert led["reduce"] == pytest.approx((N - 1) / N * p_m, rel=1e-12)
+            assert led["reduce"] == pytest.approx((N - 1) / N * (p_m + m), rel=1e-12)
             assert led["broadcast"] == pytest.approx((2 if z3 else 1) * (N - 1) / N * p_m, rel=1e-12)
-            assert led["replicate_reduce"] == pytest.approx((R - 1) / R * r["p_col"], rel=1e-12)
+            assert led["replicate_reduce"] == pytest.approx((R - 1) / R * (r["p_col"] + r["m_col"]), rel=1e-12)
             assert led["replicate_broadcast"] == pytest.approx((R - 1) / R * r["p_col"], rel=1e-12)
     for row in range(R):
         members = [r for r in results if r["coord"][1] == row]
         assert len(members) == N
-        for kind in ("replicate_reduce", "replicate_broadcast"):
-            total = sum(m["ledgers"][-1][kind] for m in members)
-            assert total == pytest.approx((R - 1) / R * p_m, rel=1e-12)
+        for kind, flags in (("replicate_reduce", m), ("replicate_broadcast", 0)):
+            total = sum(mem["ledgers"][-1][kind] for mem in members)
+            assert total == pytest.approx((R - 1) / R * (p_m + flags), rel=1e-12)
 
 
 @pytest.mark.slow
@@ -77,7 +78,8 @@ def test_ddp_parity_and_identical_params(layout, world_size):
     p_m = results[0]["p_m"]
     for r in results:
         for led in r["ledgers"]:
-            assert led["replicate_reduce"] == pytest.approx((world_size - 1) / world_size * p_m, rel=1e-12)
+            flags = results[0]["n_dedicated"]  # the reduce's has-grad flag per matrix
+            assert led["replicate_reduce"] == pytest.approx((world_size - 1) / world_size * (p_m + flags), rel=1e-12)
             assert led["replicate_broadcast"] == pytest.approx((world_size - 1) / world_size * p_m, rel=1e-12)
             assert led["broadcast"] == led["reduce"] == 0
     for step in range(STEPS):

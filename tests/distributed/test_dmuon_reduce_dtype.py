@@ -84,3 +84,38 @@ def test_bf16_params_reduce_their_muon_grads_in_fp32():
         size = 4 if name == "torch.float32" else 2
         for r in runs:
             assert r["reduce_bytes"] == pytest.approx(size * r["reduce_elements"]), name
+
+
+def _ddp_bf16(rank: int, world_size: int) -> dict:
+    """DDP with bf16 live params, initialized differently on every rank (a user who forgot to seed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_dmuon import dmuon
+
+    torch.manual_seed(rank)
+    device = rank_device()
+    model = TinyMLP(D, FF, LAYERS).to(device=device, dtype=torch.bfloat16)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    dmuon.dedicate_params_ddp(model, mesh, proj_predicate)
+    dmuon.replicate(model, mesh)
+    st = model._dmuon_state
+    start = {dp.fqn: dp.param.detach().clone() for dp in st.dparams}
+    return dict(
+        start=start,
+        masters={dp.fqn: dp._owned_data.clone() for dp in st.dparams if dp.is_owner},
+        reduce_dtypes={str(g.reduce_dtype) for g in st.groups},
+    )
+
+
+@pytest.mark.slow
+def test_ddp_bf16_starts_from_the_owners_weights_and_reduces_in_fp32():
+    """Under dedicate_params_ddp every rank starts from the owner's weights (its bf16 live copy refreshed from the
+    owner's fp32 master after the first publish), and the Muon grads are reduced in fp32, as on the FSDP path."""
+    results = run_distributed(_ddp_bf16, WORLD)
+    masters = {fqn: m for r in results for fqn, m in r["masters"].items()}
+    assert set(masters) == set(results[0]["start"])
+    for rank, r in enumerate(results):
+        assert r["reduce_dtypes"] == {"torch.float32"}, rank
+        for fqn, live in r["start"].items():
+            assert live.dtype == torch.bfloat16
+            assert torch.equal(live, masters[fqn].to(torch.bfloat16)), f"rank {rank} {fqn}: not the owner's weights"

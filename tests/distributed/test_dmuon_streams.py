@@ -35,14 +35,20 @@ STEPS = 3
 EXPECTED = {
     ("group.py", "broadcast"): ("broadcast", {"wait_for_unshard"}),
     ("group.py", "reduce"): ("reduce", {"_start_stage2"}),
-    ("replicate_axis.py", "reduce"): ("reduce", {"_finish_stage2"}),
+    ("replicate_axis.py", "reduce"): ("replicate_broadcast", {"_finish_stage2"}),
     ("replicate_axis.py", "broadcast"): ("replicate_broadcast", {"wait_publish"}),
     ("tp.py", "gather"): ("reduce", {"full_update"}),
-    ("tp.py", "scatter"): ("reduce", {"wait"}),
+    ("tp.py", "scatter"): ("replicate_broadcast", {"wait"}),
 }
-# Where the waiting stream is not (only) the compute stream: the reduce stream waits for stage 1 before stage 2;
-# the broadcast stream waits for the publish before it copies the masters (compute does in a drain, under DDP).
-WAIT_STREAM = {("group.py", "reduce"): {"reduce"}, ("replicate_axis.py", "broadcast"): {"broadcast", "compute"}}
+# Where the waiting stream is not (only) the compute stream: the replicate-axis stream waits for stage 1 before
+# stage 2 and for stage 2 before the owner's accumulation (compute waits for that stream at the end of
+# backward); the broadcast stream waits for the publish before it copies the masters (compute does in a drain,
+# under DDP).
+WAIT_STREAM = {
+    ("group.py", "reduce"): {"replicate_broadcast"},
+    ("replicate_axis.py", "reduce"): {"replicate_broadcast"},
+    ("replicate_axis.py", "broadcast"): {"broadcast", "compute"},
+}
 WRAPPED = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather")
 # DMuon files whose collectives are sync by design: a scalar or a one-off consumed on the next line (the grad
 # norm of clip_grad_norm_, replicate's end-of-backward all-reduce of the non-dedicated params, state dicts).
@@ -256,7 +262,8 @@ def _fake_streams(rec: Recorder):
 
         def hold(self, *tensors):
             for t in tensors:
-                rec.held.add((_ptr(t), rec.stream))
+                if t is not None:
+                    rec.held.add((_ptr(t), rec.stream))
 
         def event(self):
             return FakeEvent(rec)
@@ -298,6 +305,12 @@ def _install_checkpoints(model, rec: Recorder) -> None:
 
     def checked_apply(dp, ortho, opts):
         rec.need_visible([dp._owned_data, ortho], f"the update of {dp.fqn}")
+        seen = rec.visible.setdefault("compute", set())
+        for op in rec.ops:  # the reduced grad was accumulated from every reduce: complete on compute by now
+            if op.name == "reduce" and op.file in ("group.py", "replicate_axis.py") and op.id not in seen:
+                rec.violations.append(
+                    f"the update of {dp.fqn}: {op.file} reduce (op {op.id}) is not complete on the compute stream"
+                )
         return apply(dp, ortho, opts)
 
     muon_mod._apply_update = checked_apply
@@ -389,7 +402,7 @@ def _sabotage(what: str, st) -> None:
     if what == "unshard-wait":  # forward reads the packed buffer without waiting for its broadcast
         for g in st.groups:
             g.wait_for_unshard = lambda: None
-    elif what == "stage1-event":  # compute accumulates the reduced grad without waiting for stage 1
+    elif what == "events":  # compute reads the reduced grads without waiting for the side stream's accumulation
         st.streams.event = lambda: None
     elif what == "hold":  # the packed grad buffer is not held for the reduce stream
         original = st.streams.hold
@@ -411,9 +424,12 @@ def test_collectives_async_on_their_streams_and_waited_where_consumed(layout):
     kinds = {k for r in results for k in r["kinds"]}
     want = set() if layout == "3d" else {("group.py", "broadcast", "broadcast"), ("group.py", "reduce", "reduce")}
     if layout in ("hsdp", "3d"):
-        want |= {("replicate_axis.py", "reduce", "reduce"), ("replicate_axis.py", "broadcast", "replicate_broadcast")}
+        want |= {
+            ("replicate_axis.py", "reduce", "replicate_broadcast"),
+            ("replicate_axis.py", "broadcast", "replicate_broadcast"),
+        }
     if layout in ("dp_tp", "3d"):
-        want |= {("tp.py", "gather", "reduce"), ("tp.py", "scatter", "reduce")}
+        want |= {("tp.py", "gather", "reduce"), ("tp.py", "scatter", "replicate_broadcast")}
     assert want <= kinds, f"not exercised: {sorted(want - kinds)}"
 
 
@@ -422,7 +438,7 @@ def test_collectives_async_on_their_streams_and_waited_where_consumed(layout):
     ("sabotage", "layout", "expect"),
     [
         ("unshard-wait", "1d", "forward of"),
-        ("stage1-event", "hsdp", "finish_reduce of"),
+        ("events", "hsdp", "not complete on the compute stream"),
         ("hold", "1d", "was not held"),
     ],
 )

@@ -207,6 +207,9 @@ def build_dataloader(
             collate_fn=_as_is,
             num_workers=num_workers,
             prefetch_factor=2 if num_workers else None,  # two steps in flight per worker
+            # each iterator draws its base seed from this generator, not from torch's global one: a resumed run
+            # restores the global generator before its first batch, which must not draw from it again
+            generator=torch.Generator().manual_seed(seed),
         )
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     return MicroBatchLoader(loader, local_batch_size, pin)

@@ -139,7 +139,7 @@ def _dedicate(
     param_dtype,
     mode,
     tp_buffer_reuse=False,
-    reduce_dtype=None,
+    reduce_dtype=torch.float32,
 ) -> dict[nn.Parameter, Owner]:
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
@@ -207,7 +207,8 @@ def _dedicate(
     # model has no values yet; init_dedicated_params fills every column rank alike).
     for g in state.groups:
         if not g.on_meta:
-            _replicate.publish(g).wait()
+            g.after_step(_replicate.publish(g))
+            g.wait_publish()  # DDP: a low-precision live param is refreshed from its owner's master here
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}

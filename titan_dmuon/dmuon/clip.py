@@ -1,4 +1,8 @@
-"""One global grad norm over DMuon's owner grads and FSDP2's sharded grads."""
+"""One global grad norm over DMuon's owner grads and FSDP2's sharded grads.
+
+No host sync: the norm stays a device tensor, every grad is scaled by the clip coefficient as a tensor (never a
+Python number, whose `.item()` would wait for the GPU), and the collectives (the all-reduce of the owners' sum,
+DTensor's norm reductions) are ordered on the device, not waited for by the CPU."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ def _dtensor_sq_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor
     return total
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
@@ -36,7 +41,7 @@ def clip_grad_norm_(
         raise ValueError("dmuon.clip_grad_norm_ supports the L2 norm only")
     state = state_of(model, "clip_grad_norm_")
     model = unwrap(model)
-    owned = [dp._reduced_grad for dp in state.dparams if dp.is_owner and dp._reduced_grad is not None]
+    owned = [g for dp in state.dparams if dp.is_owner and (g := dp.reduced_grad()) is not None]
     device = next(model.parameters()).device
     ded_sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in owned:
@@ -50,8 +55,18 @@ def clip_grad_norm_(
         total_sq += g.float().pow(2).sum()
     total = total_sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in owned:
-        g.mul_(coef)
-    for g in others:
-        g.mul_(coef.to(g.dtype) if not isinstance(g, DTensor) else coef.item())
+    # A DTensor grad is scaled through its local tensor, right for every placement: Shard / _StridedShard /
+    # Replicate hold parts or copies of the grad, and a Partial one (a sum or an average of the ranks' locals)
+    # scales with each local once. The coefficient stays fp32 (torch's clip_grads_with_norm_ does the same).
+    _scale_(owned + [g.to_local() if isinstance(g, DTensor) else g for g in others], coef)
     return total
+
+
+def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-dim tensor `coef`: one foreach call per device, no host sync
+    (on the device `coef` lives on; a grad offloaded to the CPU takes one copy of it)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, same_device in by_device.items():
+        torch._foreach_mul_(same_device, coef.to(device))

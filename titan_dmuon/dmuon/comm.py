@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 # Ledger kinds, in reporting order.
 KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter", "tp_gram")
@@ -75,15 +76,16 @@ class Work:
 
 
 # The stream each kind is issued from (docs/dmuon.md, "CUDA streams"): the shard axis on the two high-priority
-# streams, the replicate-axis publish on a default-priority one (FSDP2's split between its all-gather /
-# reduce-scatter streams and its all-reduce stream), the TP gather/scatter with the reduces.
+# streams; the replicate axis (stage-2 reduce, publish) on a default-priority one (FSDP2's split between its
+# all-gather / reduce-scatter streams and its all-reduce stream); the TP gather with the reduces, the TP
+# scatter, whose result the next forward consumes, with the publish.
 STREAM_OF = {
     "broadcast": "broadcast",
     "reduce": "reduce",
-    "replicate_reduce": "reduce",
+    "replicate_reduce": "replicate_broadcast",
     "replicate_broadcast": "replicate_broadcast",
     "tp_gather": "reduce",
-    "tp_scatter": "reduce",
+    "tp_scatter": "replicate_broadcast",
 }
 
 
@@ -253,3 +255,130 @@ def reduce_coalesced(
 
 def group_rank_to_global(group: dist.ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
+
+
+# ---- DMuon's own process groups ------------------------------------------------------------------------------
+# On NCCL an `async_op=True` collective (each DMuon broadcast/reduce, coalesced or not) runs on the process
+# group's own NCCL stream, not the caller's (ProcessGroupNCCL.cpp: `collective` takes `ncclStreams_.at(key)` when
+# asyncOp, `endCoalescing` records the batch on it), and `initNCCLComm` takes that stream from the pool at high
+# priority only when the group's options say `is_high_priority_stream` (or TORCH_NCCL_HIGH_PRIORITY=1 is set, which
+# makes every group's stream high priority). So DMuon's shard axis cannot run at high priority on FSDP2's groups
+# (the mesh's): DMuon gets groups of its own, with the mesh groups' ranks, backend and timeout.
+#
+# How they are made:
+# - NCCL with an eagerly initialized default group (init_process_group(device_id=...), this repo's CUDA path):
+#   `dist.split_group` of the mesh's own group. Only that group's ranks take part (one ncclCommSplit over the
+#   mesh group's communicator); no rank builds another group or a world-sized rank list. `new_group` does not do
+#   here: with a bound device `_new_process_group_helper` splits every new NCCL group from the WORLD
+#   communicator, a collective every rank must join (non-members through `perform_nocolor_split`), so a group
+#   made by its members alone (`use_local_synchronization=True`) hangs, and one made by every rank costs a
+#   world-wide split per sibling group.
+# - Otherwise (gloo, NCCL initialized lazily): `dist.new_group(ranks, use_local_synchronization=True)`, called by
+#   the members only. Its name, the prefix of its store keys, is sha1(ranks, number of groups this rank holds)
+#   (`_hash_ranks_to_str`): disjoint sibling groups made at once never share keys, and a second group of the same
+#   ranks gets another name. The members must agree on that number, which `_check_agreed_name` checks first (a
+#   rank holding one group more would leave the rendezvous waiting until the timeout).
+
+
+def _device_backends(backend: str) -> set[str]:
+    """The backend names a process-group backend string stands for: {"nccl"} for "nccl", {"gloo", "nccl"} for
+    "cpu:gloo,cuda:nccl", what torch picks for this machine for "undefined"."""
+    name = str(backend).lower()
+    if ":" in name or name == _c10d.Backend.UNDEFINED:
+        return {str(b) for b in _c10d.BackendConfig(_c10d.Backend(name)).get_device_backend_map().values()}
+    return {name}
+
+
+def _nccl_options(backend: str, *, high_priority: bool, timeout=None, options_cls=None):
+    """The `pg_options` for a new group of `backend`: NCCL options asking for a high- (or default-) priority
+    stream where an NCCL backend is part of it, else None (gloo takes none). `options_cls` stands in for
+    `dist.ProcessGroupNCCL.Options` (absent from a CPU-only torch) in tests."""
+    if "nccl" not in _device_backends(backend):
+        return None
+    cls = options_cls if options_cls is not None else dist.ProcessGroupNCCL.Options
+    options = cls(is_high_priority_stream=high_priority)
+    if timeout is not None:
+        options._timeout = timeout  # new_group warns when the options' timeout and its `timeout` differ
+    return options
+
+
+def _group_timeout(group: dist.ProcessGroup):
+    """The collective timeout of `group`'s backend (None where it does not say): the new group inherits it."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and getattr(options, "_timeout", None) is not None:
+            return options._timeout
+    return None
+
+
+def _split_from_parent(uses_nccl: bool) -> bool:
+    """Whether the new group must be split from the mesh's group: with TorchComms (new_group cannot make a group
+    of its members only there), or on NCCL when the default group is a split source, exactly the predicate
+    under which `_new_process_group_helper` would split a new NCCL group from the world communicator."""
+    if _c10d._use_torchcomms_enabled():
+        return True
+    if not uses_nccl:
+        return False
+    default = _c10d._get_default_group()
+    return bool(default.bound_device_id) and _c10d._get_split_source(default) is not None
+
+
+def _check_agreed_name(parent: dist.ProcessGroup, ranks: list[int]) -> None:
+    """Raise unless every member of `parent` would give the new group the same name (see above)."""
+    name = _c10d._hash_ranks_to_str(ranks)
+    names: list = [None] * len(ranks)
+    dist.all_gather_object(names, name, group=parent)
+    if len(set(names)) != 1:
+        raise RuntimeError(
+            f"dmuon: cannot make a process group of ranks {ranks}: its members hold different numbers of process "
+            f"groups ({len(_c10d._world.pg_names)} on global rank {dist.get_rank()}), so torch would name it "
+            "differently on each and its rendezvous would wait forever. Create (or destroy) process groups the "
+            "same way on every rank of the mesh before dmuon.dedicate_params."
+        )
+
+
+def dedicated_group(mesh, *, high_priority: bool, desc: str | None = None) -> dist.ProcessGroup | None:
+    """A new process group, for DMuon alone, with the ranks (in the same order), backend and timeout of the 1D
+    DeviceMesh `mesh`'s group; on NCCL its stream is high priority if `high_priority` (the shard axis), default
+    priority otherwise (the replicate axis). None for `mesh` None or of one rank (DMuonState's "axis of size 1").
+
+    Every rank of `mesh` must call it at the same point (it is collective over the mesh's group); ranks outside
+    the mesh need not call it."""
+    if mesh is None:
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(f"dedicated_group needs a 1D mesh, got {mesh.ndim}D with dims {mesh.mesh_dim_names}")
+    parent = mesh.get_group()
+    ranks = dist.get_process_group_ranks(parent)
+    if len(ranks) == 1:
+        return None
+    backend = str(dist.get_backend(parent))
+    timeout = _group_timeout(parent)
+    options = _nccl_options(backend, high_priority=high_priority, timeout=timeout)
+    if _split_from_parent("nccl" in _device_backends(backend)):
+        # Group ranks of the parent, in its order: the new group's rank i is the parent's rank i.
+        group = dist.split_group(
+            parent_pg=parent,
+            split_ranks=[list(range(len(ranks)))],
+            timeout=timeout,
+            pg_options=options,
+            group_desc=desc,
+        )
+    else:
+        if backend != "fake":  # a fake group gathers nothing (the dry-run planner's world of one real rank)
+            _check_agreed_name(parent, ranks)
+        group = dist.new_group(
+            ranks,
+            timeout=timeout,
+            backend=backend,
+            pg_options=options,
+            use_local_synchronization=True,
+            group_desc=desc,
+            sort_ranks=False,
+        )
+    if group is None or dist.get_process_group_ranks(group) != ranks:
+        raise RuntimeError(
+            f"dmuon: the process group made for ranks {ranks} has ranks "
+            f"{None if group is None else dist.get_process_group_ranks(group)}"
+        )
+    return group

@@ -156,7 +156,21 @@ class Muon(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for dp in self._state.dparams:
-            dp._reduced_grad = None
+            dp.clear_grad(set_to_none)
+
+    def _settle_owned_grads(self) -> None:
+        """Before the update: apply the user's grad clears to the owners' reduced grads, and drop the ones no
+        rank had a grad for (torch.optim.Muon skips a param whose grad is None): one host read of the has-grad
+        fractions per step, none when every grad is known to exist."""
+        mine = [dp for dp in self._state.dparams if dp.is_owner and dp.reduced_grad() is not None]
+        unknown = [dp for dp in mine if dp._grad_seen is not None]
+        if not unknown:
+            return
+        seen = torch.stack([dp._grad_seen for dp in unknown]).tolist()
+        for dp, fraction in zip(unknown, seen, strict=True):
+            dp._grad_seen = None
+            if fraction == 0:
+                dp._reduced_grad = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,6 +181,7 @@ class Muon(torch.optim.Optimizer):
         st = self._state
         st.drain_publish()  # a publish still in flight reads `_owned_data`: never update under it
         st.reshard_all()  # any unsharded buffer is stale after this step
+        self._settle_owned_grads()
         ns_calls, ns_time = 0, 0.0
         for group in self.param_groups:
             if group["kind"] == "adamw":

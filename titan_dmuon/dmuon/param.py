@@ -19,7 +19,7 @@ def local_of(t: torch.Tensor | None) -> torch.Tensor | None:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class DedicatedParam:
     """A dedicated matrix: its owner coordinates, the owner's fp32 master copy and its reduced grad.
 
@@ -45,6 +45,20 @@ class DedicatedParam:
     tp_rank: int = 0
     tp_owner: int = 0  # TP rank that runs this matrix's full NS
     _orig_size: torch.Size = field(default_factory=lambda: torch.Size())  # local (TP shard) shape
+    # The packed grad buffer (group.py): where this matrix's grad and its has-grad flag go.
+    grad_offset: int = 0
+    flag_index: int = 0
+    # On the owner, with a fresh `_reduced_grad`: the fraction of ranks that had a grad (device scalar; 0 means
+    # none had one, and the step skips the matrix). None once the grad is known to exist.
+    _grad_seen: torch.Tensor | None = None
+    _took_placeholder: bool = False  # DMuon itself removed the placeholder for an arriving grad
+    _placeholder: torch.Tensor | None = None  # the grad a reduce leaves on the param (see `leave_grad_placeholder`)
+
+    def __repr__(self) -> str:  # never the param's values: a sharded one has no storage to read
+        return (
+            f"DedicatedParam({self.fqn!r}, owner=({self.owner_shard}, {self.owner_replicate}), "
+            f"shape={tuple(self.full_shape)})"
+        )
 
     @property
     def param_name(self) -> str:
@@ -57,7 +71,10 @@ class DedicatedParam:
 
     @property
     def local_grad(self) -> torch.Tensor | None:
-        return local_of(self.param.grad)
+        """This rank's own (TP-local) grad, accumulated since the last reduce; None without one (the placeholder
+        a reduce leaves is none)."""
+        g = local_of(self.param.grad)
+        return g if g is not None and g.layout == torch.strided else None
 
     @property
     def is_tp_owner(self) -> bool:
@@ -105,6 +122,60 @@ class DedicatedParam:
                 if key not in p.__dict__:
                     setattr(p, key, value)
         local_of(p).data = local
+
+    # ---- the grad the user sees ----------------------------------------------------------------------
+    # After a reduce the param's grad lives on the owner as `_reduced_grad`; the param itself holds a
+    # placeholder: a sparse all-zero tensor of the param's (local) shape, one explicit zero and no dense memory
+    # (a DTensor of it for a TP param). A user clear reaches it like any grad: `p.grad = None`
+    # (`model.zero_grad()`, `optimizer.zero_grad()`) removes it, `zero_grad(set_to_none=False)` zeroes it, which
+    # drops its one entry. Before the next reduce and at the step the owner reads what happened
+    # (`sync_cleared`), so a grad the user cleared is cleared, as torch's would be.
+    def leave_grad_placeholder(self) -> None:
+        """After this rank's grad was packed for the reduce: apply the user's clears since the last reduce
+        (owner), then leave the placeholder."""
+        self.sync_cleared()
+        self._took_placeholder = False
+        if self._placeholder is None or local_of(self._placeholder)._nnz() != 1:
+            local = self.local
+            sparse = torch.sparse_coo_tensor(
+                torch.zeros(local.dim(), 1, dtype=torch.long, device=local.device),
+                torch.zeros(1, dtype=local.dtype, device=local.device),
+                local.shape,
+                check_invariants=False,
+            )
+            p = self.param
+            self._placeholder = DTensor(sparse, p._spec, requires_grad=False) if isinstance(p, DTensor) else sparse
+        self.param.grad = self._placeholder
+
+    def take_grad_placeholder(self) -> None:
+        """A grad is about to be accumulated: apply the user's clears, and remove the placeholder so that
+        autograd accumulates into nothing."""
+        self.sync_cleared()
+        if self._placeholder is not None and self.param.grad is self._placeholder:
+            self.param.grad = None
+            self._took_placeholder = True  # a None grad now is no user clear (torch.autograd.grad accumulates none)
+
+    def sync_cleared(self) -> None:
+        """Owner: if the user cleared this param's grad since the last reduce, clear `_reduced_grad` alike."""
+        if self._reduced_grad is None:
+            return
+        g = self.param.grad
+        if g is None and not self._took_placeholder:
+            self.clear_grad(set_to_none=True)
+        elif g is self._placeholder and local_of(g)._nnz() == 0:
+            self.clear_grad(set_to_none=False)
+
+    def clear_grad(self, set_to_none: bool) -> None:
+        """What `zero_grad(set_to_none)` does to a grad, done to the owner's `_reduced_grad`."""
+        if set_to_none:
+            self._reduced_grad = self._grad_seen = None
+        elif self._reduced_grad is not None:
+            self._reduced_grad.zero_()
+
+    def reduced_grad(self) -> torch.Tensor | None:
+        """The owner's reduced grad as the user's clears left it (None elsewhere)."""
+        self.sync_cleared()
+        return self._reduced_grad
 
     @property
     def in_owner_column(self) -> bool:

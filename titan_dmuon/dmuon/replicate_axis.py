@@ -21,16 +21,17 @@ if TYPE_CHECKING:
 
 
 def reduce_replicate(group: DedicatedParamGroup, gbuf: torch.Tensor) -> Work:
-    """Average this column's slice of `gbuf` over the replicate group onto each param's global owner."""
+    """Average this column's slice of `gbuf` over the replicate group onto each param's global owner, from the
+    replicate-axis stream (the cross-node link's, at default priority: nothing in the backward waits for it)."""
     st = group.state
     if st.replicate_group is None:
         return Work()
     ops = [
         (gbuf[s:e], st.replicate_global_rank(rep))
-        for (shard, rep), (s, e) in group.owner_segments.items()
+        for (shard, rep), (s, e) in group.grad_owner_segments.items()
         if shard == st.shard_rank
     ]
-    with st.streams.use("reduce"):
+    with st.streams.use("replicate_broadcast"):
         return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
 
 

@@ -96,7 +96,8 @@ class DMuonState:
         self.sync_grads = True
         self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
         self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
-        self._callback_queued = False
+        self._accumulated = Work()  # the owners' accumulations, done on the replicate-axis stream
+        self._callbacks: set[int] = set()  # the backwards (graph task ids) whose end-callback is queued
         # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
         coords: list = [None] * dist.get_world_size()
         dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
@@ -128,36 +129,49 @@ class DMuonState:
             self._start_stage2(*self._pending.pop(0))
 
     def _start_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
-        with self.streams.use("reduce"):  # the reduce stream (not compute) waits for stage 1, issues stage 2
+        """Stage 2 goes on the replicate-axis stream (default priority, like the publish): that stream, not
+        compute, waits for stage 1 and issues the replicate reduce, so the backward never waits for either."""
+        with self.streams.use("replicate_broadcast"):
+            self.streams.hold(gbuf)
             work.wait()
-            stage1 = Work([self.streams.event()])  # compute waits for stage 1 too, before it reads gbuf
-        self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf).merge(stage1)))
+            self._stage2.append((group, gbuf, _replicate.reduce_replicate(group, gbuf)))
         # Keep one stage 2 in flight and finish the older ones now: each holds a whole packed grad buffer, so
         # waiting for the end of backward would keep every group's (P_M elements) alive on every rank.
         while len(self._stage2) > 1:
             self._finish_stage2(*self._stage2.pop(0))
 
-    @staticmethod
-    def _finish_stage2(group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
-        work.wait()
-        group.finish_reduce(gbuf)
+    def _finish_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
+        """The owner adds its slice into `_reduced_grad`, on the replicate-axis stream after stage 2 (the
+        tensors it writes are allocated by compute first); compute waits for that stream once, at the end of
+        backward (`finish_backward`)."""
+        group.prepare_reduced_grads()
+        with self.streams.use("replicate_broadcast"):
+            work.wait()
+            group.finish_reduce(gbuf)
+            self._accumulated = self._accumulated.merge(Work([self.streams.event()]))
 
-    def queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+    def queue_final_callback(self, task: int) -> None:
+        """Have the end of backward `task` (the autograd graph task that is running) call `finish_backward`.
+        A reentrant checkpoint's inner backward is a task of its own, ended by its own callback."""
+        if task not in self._callbacks:
+            self._callbacks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish_backward(task))
 
-    def finish_backward(self) -> None:
-        """End of backward: reduce groups whose grads only partly arrived, drain both stages, reshard."""
-        self._callback_queued = False
-        for g in self.groups:
-            g.reduce_if_partial()
+    def finish_backward(self, task: int) -> None:
+        """End of backward `task`: reduce the groups that entered it and whose post-backward did not reduce them
+        (in group order, the same on every rank), drain both reduce stages, end those groups' backward."""
+        self._callbacks.discard(task)
+        entered = [g for g in self.groups if g._task == task]
+        for g in entered:
+            g.reduce_grads()
         while self._pending:
             self._start_stage2(*self._pending.pop(0))
         while self._stage2:
             self._finish_stage2(*self._stage2.pop(0))
-        for g in self.groups:
-            g.reset_backward()
+        accumulated, self._accumulated = self._accumulated, Work()
+        accumulated.wait()  # compute: the owners' reduced grads are complete
+        for g in entered:
+            g.end_backward()
             if self.mode == "fsdp":
                 g.reshard()
 

@@ -1,0 +1,81 @@
+"""Loops with more than one forward per step, with conditional compute on: gradient accumulation with
+`no_sync` on some micro-batches, two forwards before one backward, a forward in train mode whose graph is
+held over the training backward and never backpropagated (an evaluation inside training), and a loss on an
+intermediate layer (backward through part of the model). Each matches the single-process reference on every
+layout (tests/loops.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from tests.loops import LAYOUTS, Side, check_loops
+
+
+def _step(side: Side) -> None:
+    side.opt.step()
+    side.opt.zero_grad()
+
+
+def accumulate_with_no_sync(side: Side, steps: int) -> list[float]:
+    """Two micro-batches a step; on even steps the first inside no_sync."""
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(2):
+            quiet = micro == 0 and step % 2 == 0
+            with side.no_sync() if quiet else contextlib.nullcontext():
+                loss = side.loss(10 * step + micro) / 2
+                loss.backward()
+            total += side.mean(loss)
+        _step(side)
+        losses.append(total)
+    return losses
+
+
+def two_forwards_one_backward(side: Side, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        loss = (side.loss(2 * step) + side.loss(2 * step + 1)) / 2
+        loss.backward()
+        _step(side)
+        losses.append(side.mean(loss))
+    return losses
+
+
+def eval_forward_held(side: Side, steps: int) -> list[float]:
+    """A train-mode forward with grad (its graph kept alive) before each training step."""
+    losses = []
+    for step in range(steps):
+        held = side.loss(100 + step)
+        loss = side.loss(step)
+        loss.backward()
+        _step(side)
+        losses.append(side.mean(loss) + 0 * side.mean(held))
+        del held
+    return losses
+
+
+def intermediate_loss(side: Side, steps: int) -> list[float]:
+    """On odd steps the loss is taken after block 0: block 1 runs forward and gets no grad."""
+    losses = []
+    for step in range(steps):
+        loss = side.loss(step, loss_at=0 if step % 2 else None)
+        loss.backward()
+        _step(side)
+        losses.append(side.mean(loss))
+    return losses
+
+
+LOOPS = {
+    "no_sync on some micro-batches": (accumulate_with_no_sync, None),
+    "two forwards, one backward": (two_forwards_one_backward, None),
+    "train-mode forward without backward": (eval_forward_held, None),
+    "loss on an intermediate layer": (intermediate_loss, None),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_accumulation_loops_match_reference(layout):
+    check_loops(layout, LOOPS, steps=4)
