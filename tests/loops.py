@@ -109,6 +109,10 @@ class Side:
         losses = [model(seq_batch(key, r, B, T, D), skips(key, r, self.n_dp), loss_at) for r in range(self.n_dp)]
         return torch.stack(losses).mean()
 
+    @property
+    def device_type(self) -> str:
+        return rank_device().type if self.distributed else "cpu"
+
     def no_sync(self):
         """The grad-accumulation context: DMuon's (and FSDP2's, replicate's) reduces off; nothing to turn off
         in one process."""
@@ -158,31 +162,34 @@ def reference(loop: Loop, n_dp: int, steps: int, prepare: Callable | None = None
     return dict(losses=losses, sd={k: v.detach().clone() for k, v in module.state_dict().items()})
 
 
-def _build(layout: str):
-    """LoopLlama on `layout` through DMuon's public API; (model to call, optimizer, dp rank, dp size)."""
+def _build(layout: str, block_units: bool = True):
+    """LoopLlama on `layout` through DMuon's public API; (model to call, optimizer, dp rank, dp size).
+    `block_units`: each block its own FSDP2 unit (the per-layer `fully_shard` loop), else the root unit only."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     from titan_dmuon import dmuon
 
     torch.manual_seed(0)
     device = rank_device()
     model = LoopLlama().to(device)
+    shard = shard_blocks if block_units else (lambda m, mesh: fully_shard(m, mesh=mesh))
     world = dist.get_world_size()
     if layout == "fsdp":
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
         dmuon.dedicate_params(model, mesh, proj_predicate)
-        shard_blocks(model, mesh)
+        shard(model, mesh)
         dp_rank, n_dp = dist.get_rank(), world
     elif layout == "hsdp":
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         dmuon.dedicate_params(model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"])
-        shard_blocks(model, mesh)
+        shard(model, mesh)
         dp_rank, n_dp = dist.get_rank(), world
     elif layout == "dp_tp":
         mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         apply_llama_tp(model, mesh["tp"])
         dmuon.dedicate_params(model, mesh["dp"], proj_predicate)
-        shard_blocks(model, mesh["dp"])
+        shard(model, mesh["dp"])
         dp_rank, n_dp = mesh.get_coordinate()[0], world // 2
     elif layout == "ddp":
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
@@ -194,32 +201,44 @@ def _build(layout: str):
     return model, build_muon(model), dp_rank, n_dp
 
 
-def _run_loops(rank: int, world_size: int, layout: str, loops: dict[str, tuple[Loop, Callable | None]], steps: int):
+def _run_loops(rank: int, world_size: int, layout: str, loops: dict, steps: int, block_units: bool):
     from titan_dmuon import dmuon
 
     out = {}
     for name, (loop, prepare) in loops.items():
-        model, opt, dp_rank, n_dp = _build(layout)
+        model, opt, dp_rank, n_dp = _build(layout, block_units)
         called = prepare(model) if prepare is not None else model
         losses = loop(Side(called, opt, n_dp, dp_rank, module=model), steps)
         out[name] = dict(losses=losses, sd=dmuon.get_model_state_dict(model))
     return out
 
 
-def run_layout(layout: str, loops: dict[str, tuple[Loop, Callable | None]], steps: int, timeout: float = 240):
+def run_layout(
+    layout: str,
+    loops: dict[str, tuple[Loop, Callable | None]],
+    steps: int,
+    block_units: bool = True,
+    timeout: float = 240,
+):
     """Every loop (name -> (loop, prepare: model -> the model the loop calls, or None)) on `layout`'s ranks;
     rank 0's {name: {losses, sd}}. A hang fails after `timeout` s with every rank's stack."""
-    return run_distributed(_run_loops, LAYOUTS[layout], layout, loops, steps, timeout=timeout)[0]
+    return run_distributed(_run_loops, LAYOUTS[layout], layout, loops, steps, block_units, timeout=timeout)[0]
 
 
 def n_dp_of(layout: str) -> int:
     return {"fsdp": 2, "hsdp": 4, "dp_tp": 2, "ddp": 2}[layout]
 
 
-def check_loops(layout: str, loops: dict[str, tuple[Loop, Callable | None]], steps: int) -> dict[str, float]:
-    """Run `loops` on `layout` and in one process; assert every loss and every final weight within RTOL
+def check_loops(
+    layout: str,
+    loops: dict[str, tuple[Loop, Callable | None]],
+    steps: int,
+    rtol: float = RTOL,
+    block_units: bool = True,
+) -> dict[str, float]:
+    """Run `loops` on `layout` and in one process; assert every loss and every final weight within `rtol`
     (norm-wise relative); return each loop's largest relative error."""
-    got = run_layout(layout, loops, steps)
+    got = run_layout(layout, loops, steps, block_units)
     worst = {}
     for name, (loop, prepare) in loops.items():
         want = reference(loop, n_dp_of(layout), steps, prepare)
@@ -229,7 +248,7 @@ def check_loops(layout: str, loops: dict[str, tuple[Loop, Callable | None]], ste
         errs += [rel_err(got[name]["sd"][k], v) for k, v in want["sd"].items()]
         worst[name] = max(errs)
         print(f"loop {name} on {layout}: max relative error {worst[name]:.2e}")
-        assert worst[name] <= RTOL, f"{name} on {layout}: relative error {worst[name]:.3e} > {RTOL:g}"
+        assert worst[name] <= rtol, f"{name} on {layout}: relative error {worst[name]:.3e} > {rtol:g}"
     return worst
 
 
@@ -242,5 +261,17 @@ def plain_loop(side: Side, steps: int, clear: Callable[[Side], None] | None = No
         loss.backward()
         side.opt.step()
         (clear or (lambda s: s.opt.zero_grad()))(side)
+        losses.append(side.mean(loss))
+    return losses
+
+
+def two_forwards_one_backward(side: Side, steps: int) -> list[float]:
+    """Two forwards (each with its own skips), one backward of their mean."""
+    losses = []
+    for step in range(steps):
+        loss = (side.loss(2 * step) + side.loss(2 * step + 1)) / 2
+        loss.backward()
+        side.opt.step()
+        side.opt.zero_grad()
         losses.append(side.mean(loss))
     return losses

@@ -99,6 +99,10 @@ class DedicatedParamGroup:
         self._deferred: Callable[[], Work] | None = None  # async TP: scatter wait + update + its publish
         # Backward bookkeeping (docs/dmuon.md, "Hook boundaries and the per-step lifecycle"):
         self._pending_nodes: weakref.WeakSet = weakref.WeakSet()  # post-backward nodes of live graphs not yet run
+        # Train-mode forwards run without grad since the last backward ended (a reentrant checkpoint's first
+        # forward; each is recomputed inside the backward that follows, and only the last recompute completes
+        # the group's grads):
+        self._nograd_forwards = 0
         self._task: int | None = None  # the backward this group entered (pre-backward, a grad, a recompute)
         self._reduced = False  # reduced (or skipped under no_sync) in that backward
         self._sent = False  # and its reduce issued
@@ -218,7 +222,7 @@ class DedicatedParamGroup:
         its grads are complete: reduce them."""
         self._pending_nodes.discard(node)
         self.enter_backward()
-        if not self._pending_nodes:
+        if not self._pending_nodes and self._nograd_forwards == 0:
             self.reduce_grads()
 
     def _grad_arriving(self, dp: DedicatedParam) -> Callable[[torch.Tensor], None]:
@@ -300,6 +304,7 @@ class DedicatedParamGroup:
         self._task = None
         self._reduced = False
         self._sent = False
+        self._nograd_forwards = 0
 
     # ---- materialization (params dedicated on the meta device) -------------------------------------------
     @property
@@ -353,9 +358,13 @@ class DedicatedParamGroup:
     @torch._dynamo.disable  # collectives and storage resizes: run eagerly, also inside a compiled model
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         in_backward = _in_backward()
+        grad = torch.is_grad_enabled()
         if not in_backward:
             if self._task is not None:  # a backward that ended in an error left this group mid-backward
                 self.end_backward()
+            self.state.new_forward()
+            if not grad and module.training:
+                self._nograd_forwards += 1
         else:
             self.enter_backward()  # a recompute (activation checkpointing) inside a backward
         self.unshard()
@@ -366,8 +375,11 @@ class DedicatedParamGroup:
         self.wait_for_unshard()
         # The post-backward node on the inputs. A recompute registers one only when no forward's node is
         # pending: a reentrant checkpoint's first forward ran without grad, so the recompute's graph is the one
-        # backward goes through; a non-reentrant one's is not (the first forward's node fires).
-        if torch.is_grad_enabled() and not (in_backward and self._pending_nodes):
+        # backward goes through; a non-reentrant one's is not (the first forward's node fires). That recompute
+        # stands for one of the no-grad forwards; the node reduces once none is left to recompute.
+        if grad and not (in_backward and self._pending_nodes):
+            if in_backward and self._nograd_forwards > 0:
+                self._nograd_forwards -= 1
             return _register_post_backward(self, args, kwargs)
         return None
 

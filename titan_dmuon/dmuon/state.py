@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import replicate_axis as _replicate
-from .comm import CommLedger, Streams, WaitMeter, Work
+from .comm import CommLedger, Streams, WaitMeter, Work, dedicated_group
 
 if TYPE_CHECKING:
     from .group import DedicatedParamGroup
@@ -69,9 +69,12 @@ class DMuonState:
     ):
         self.shard_mesh = shard_mesh
         self.replicate_mesh = replicate_mesh
-        # A missing mesh is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
-        self.shard_group = shard_mesh.get_group() if shard_mesh is not None else None
-        self.replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
+        # DMuon's own process groups, with the meshes' ranks: on NCCL the shard axis (the per-group broadcasts and
+        # reduces the forward and backward wait on) gets a high-priority stream, the replicate axis a default one
+        # (comm.dedicated_group says why FSDP2's mesh groups cannot give that). A missing mesh, or one of a
+        # single rank, is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
+        self.shard_group = dedicated_group(shard_mesh, high_priority=True, desc="dmuon_shard")
+        self.replicate_group = dedicated_group(replicate_mesh, high_priority=False, desc="dmuon_replicate")
         self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
         self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
         self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
@@ -98,6 +101,7 @@ class DMuonState:
         self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
         self._accumulated = Work()  # the owners' accumulations, done on the replicate-axis stream
         self._callbacks: set[int] = set()  # the backwards (graph task ids) whose end-callback is queued
+        self._backward_ended = False  # a backward ended since the last forward began (see `new_forward`)
         # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
         coords: list = [None] * dist.get_world_size()
         dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
@@ -157,6 +161,17 @@ class DMuonState:
             self._callbacks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish_backward(task))
 
+    def new_forward(self) -> None:
+        """A group's forward outside backward. The first one after a backward drops autocast's cast cache: an
+        autocast region around several forward-backwards (accumulation) otherwise feeds the later forwards the
+        first one's cached low-precision copy of each dedicated param, whose grad then reaches the param through
+        that older graph node late in the backward, after the group reduced (and a step inside the region would
+        compute with pre-step weights). Leaving an autocast region drops the cache the same way."""
+        if self._backward_ended:
+            self._backward_ended = False
+            if torch.is_autocast_cache_enabled():
+                torch.clear_autocast_cache()
+
     def finish_backward(self, task: int) -> None:
         """End of backward `task`: reduce the groups that entered it and whose post-backward did not reduce them
         (in group order, the same on every rank), drain both reduce stages, end those groups' backward."""
@@ -174,6 +189,7 @@ class DMuonState:
             g.end_backward()
             if self.mode == "fsdp":
                 g.reshard()
+        self._backward_ended = True
 
     def drain_publish(self) -> None:
         """Consume every group's post-step handoff (publish in flight, deferred TP tail), in group order."""
