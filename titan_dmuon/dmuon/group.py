@@ -90,7 +90,7 @@ class DedicatedParamGroup:
         self.buffer = torch.empty(0 if self.live else self.numel, dtype=dtype, device=device)
         if not self.live:
             for dp in self.params:
-                dp.local.data = self.buffer[dp.offset : dp.offset + dp.numel].view(dp._orig_size)
+                dp.set_local(self.buffer[dp.offset : dp.offset + dp.numel].view(dp._orig_size))
             if device.type != "meta":
                 _free_storage(self.buffer)
         self.unsharded = self.live

@@ -14,6 +14,16 @@ if TYPE_CHECKING:
     from .group import DedicatedParamGroup
 
 
+def _swap_into(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Make the Parameter object `p` hold `data` (a new tensor of its shape), keeping its Python attributes (DMuon's
+    tags): `swap_tensors` moves them along with the contents, so the ones the new tensor lacks are put back."""
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+    for key, value in attrs.items():
+        if key not in p.__dict__:
+            setattr(p, key, value)
+
+
 def local_of(t: torch.Tensor | None) -> torch.Tensor | None:
     """The plain tensor behind `t`: a DTensor's local (TP) shard, anything else as it is."""
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -116,12 +126,29 @@ class DedicatedParam:
                 stub = DTensor.from_local(
                     stub, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                 )
-            attrs = dict(p.__dict__)
-            torch.utils.swap_tensors(p, nn.Parameter(stub, requires_grad=p.requires_grad))
-            for key, value in attrs.items():
-                if key not in p.__dict__:
-                    setattr(p, key, value)
-        local_of(p).data = local
+            _swap_into(p, stub)
+        self.set_local(local)
+
+    def set_local(self, local: torch.Tensor) -> None:
+        """Make the param's tensor `local` (a view of the packed buffer, or the DDP live tensor).
+
+        A plain param takes it through `.data`: the Parameter keeps its own version counter, so the in-place
+        writes into the buffer (broadcasts) do not invalidate what autograd saved of it. A TP param (a DTensor)
+        gets a new DTensor around it: autograd saves and versions the DTensor wrapper, never its local
+        tensor, and torch.compile's fake tensors must see a DTensor built around the buffer's view (a local tensor
+        given another storage through `.data`, or swapped in as `_local_tensor`, cannot be faked: dynamo fails
+        on it, tests/distributed/test_loop_compile.py)."""
+        p = self.param
+        if not isinstance(p, DTensor):
+            p.data = local
+            return
+        # A new DTensor around `local`, swapped into the same Parameter object (mutating `_local_tensor` of the
+        # existing one leaves a wrapper that fake tensors cannot rebuild either).
+        with torch.no_grad():
+            new = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        _swap_into(p, new)
 
     # ---- the grad the user sees ----------------------------------------------------------------------
     # After a reduce the param's grad lives on the owner as `_reduced_grad`; the param itself holds a
