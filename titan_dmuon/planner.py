@@ -27,8 +27,9 @@ import json
 import logging
 import resource
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,198 @@ class Mesh:
 
     def rank(self, replicate: int, shard: int, tp: int) -> int:
         return (replicate * self.N + shard) * self.T + tp
+
+
+# ------------------------------------------------------------------------------------------- capacity
+MEMORY_TERMS = (
+    ("fsdp_param_shards", "FSDP2 param shards"),
+    ("dmuon_fp32_masters", "DMuon fp32 masters"),
+    ("muon_momentum", "Muon momentum"),
+    ("adamw_moments", "AdamW moments"),
+    ("gradients", "gradients"),
+    ("dmuon_packed_transient_peak", "DMuon packed buffers"),
+    ("fsdp_root_unsharded", "FSDP2 root unit, gathered (params and grads)"),
+)
+ACTIVATION_TERMS = {
+    "blocks": "activations kept by the blocks",
+    "head": "activations of the head (norm, loss)",
+    "head_backward": "the logits' grads at the start of backward",
+    "recompute": "a checkpointed block being recomputed",
+}
+WARN_FRACTION = 0.9
+
+
+def _activation_estimate(spec: ModelSpec, model: torch.nn.Module, cfg: JobConfig, tp: int, **overrides):
+    """The model family's activation estimate for this config (`overrides` replace its arguments), or None."""
+    if spec.activation_estimate is None:
+        return None
+    t, ac = cfg.training, cfg.activation_checkpoint
+    kwargs = dict(
+        batch=t.local_batch_size,
+        seq_len=t.seq_len,
+        dtype_bytes=DTYPES[t.mixed_precision_param].itemsize,
+        tp=tp,
+        ac_mode=ac.mode,
+        ac_option=ac.selective_ac_option,
+        loss_parallel=not cfg.parallelism.disable_loss_parallel,
+    )
+    return spec.activation_estimate(model, **{**kwargs, **overrides})
+
+
+def _ac_label(cfg: JobConfig) -> str:
+    ac = cfg.activation_checkpoint
+    if ac.mode != "selective":
+        return ac.mode
+    return "selective (op)" if ac.selective_ac_option == "op" else f"selective (every {ac.selective_ac_option})"
+
+
+def _activation_terms(estimate) -> dict[str, float]:
+    return {k: float(getattr(estimate, k)) for k in ACTIVATION_TERMS} | {"total": float(estimate.total)}
+
+
+def _capacity(memory: dict, rank: int, device: float) -> dict[str, Any]:
+    """Whether `rank`'s planned peak fits `device` bytes, and its largest terms."""
+    peak = memory["peak_estimate"]["per_rank"][rank]
+    terms = [(label, memory[key]["per_rank"][rank]) for key, label in MEMORY_TERMS]
+    if memory["activation_terms"] is not None:
+        act = memory["activation_terms"]
+        terms += [(ACTIVATION_TERMS["blocks"], act["blocks"])]
+        terms += [(ACTIVATION_TERMS["head"], act["head"]), (ACTIVATION_TERMS["head_backward"], act["head_backward"])]
+        terms += [(ACTIVATION_TERMS["recompute"], act["recompute"])]
+    terms.sort(key=lambda kv: -kv[1])
+    return {
+        "device_bytes": device,
+        "peak_bytes": peak,
+        "rank": rank,
+        "fits": peak <= device,
+        "warn": peak > WARN_FRACTION * device,
+        "largest_terms": [[label, value] for label, value in terms[:4]],
+        "alternatives": [],
+    }
+
+
+def _activation_alternatives(
+    cfg: JobConfig, spec: ModelSpec, model: torch.nn.Module, tp: int, base: float, device: float
+) -> list[dict[str, Any]]:
+    """Each change of activation memory alone that the planner can evaluate on this build, with its planned peak
+    (`base`: the largest rank's resident + transient bytes): full AC, op-level selective AC, the largest smaller
+    micro-batch (with the accumulation steps that keep the tokens per step) that fits, or the smallest."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    out = []
+
+    def add(change: str, **overrides) -> bool:
+        peak = base + _activation_estimate(spec, model, cfg, tp, **overrides).total
+        out.append({"change": change, "peak_bytes": peak, "fits": peak <= device})
+        return peak <= device
+
+    if ac.mode != "full":
+        add("--activation_checkpoint.mode full", ac_mode="full")
+    if ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option != "op"):  # op keeps more than full
+        add(
+            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+            ac_mode="selective",
+            ac_option="op",
+        )
+    sequences = t.local_batch_size * t.gradient_accumulation_steps
+    smaller = [b for b in range(t.local_batch_size - 1, 0, -1) if sequences % b == 0]
+    for b in smaller:
+        change = f"--training.local_batch_size {b} --training.gradient_accumulation_steps {sequences // b}"
+        if add(change, batch=b) or b == smaller[-1]:
+            break
+        out.pop()  # only the largest micro-batch that fits (or the smallest, which does not) is listed
+    return out
+
+
+def tp_alternatives(cfg: JobConfig, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Larger TP degrees (x2, x4, ... within a node, dividing the heads), each planned anew on the same world (the
+    shard degree shrinks to match), up to the first that fits. Call it with no process group (it makes its own)."""
+    mesh, device = result["config"]["mesh"], cfg.job.dry_run_device_memory_gib * GIB
+    world, out = result["config"]["world_size"], []
+    tp = mesh["tp"] * 2
+    while tp <= cfg.job.dry_run_gpus_per_node and world % (tp * mesh["replicate"]) == 0:
+        par = dataclasses.replace(cfg.parallelism, tensor_parallel_degree=tp, data_parallel_shard_degree=-1)
+        change = f"--parallelism.tensor_parallel_degree {tp}"
+        try:
+            peak = plan(dataclasses.replace(cfg, parallelism=par), world)["capacity"]["peak_bytes"]
+        except Exception as e:  # the degree does not fit the model (heads, sequence): no larger one will
+            logger.info("TP %d cannot be planned: %s", tp, e)
+            break
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        out.append({"change": change, "peak_bytes": peak, "fits": peak <= device})
+        if peak <= device:
+            break
+        tp *= 2
+    return out
+
+
+def check_device_memory(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    rank: int,
+    free: float,
+    total: float,
+    worst_of_ranks: Callable[[float], float] = lambda ratio: ratio,
+) -> None:
+    """A real run's check, before it allocates the model: this rank's planned peak (`plan_memory` on its own meta
+    build) against the device's `free` bytes (of `total`). `worst_of_ranks` takes this rank's peak / free and
+    returns the largest over the job's ranks (an all-reduce), so that every rank decides alike: above 90% a
+    warning; above 100% a ConfigError on every rank (the one that does not fit names its largest terms and the
+    changes that would fit), or only a warning with `job.check_device_memory = false`."""
+    memory, capacity, _ = plan_memory(model, spec, dims, cfg, device_bytes=free, rank=rank)
+    peak = capacity["peak_bytes"]
+    worst = worst_of_ranks(peak / free)
+    mine = f"{peak / GIB:.1f} GiB planned on rank {rank}, {free / GIB:.1f} GiB free on its GPU"
+    mine += f" ({total / GIB:.1f} GiB in all)"
+    if worst <= WARN_FRACTION:
+        logger.info("Memory plan: %s", mine)
+        return
+    if worst <= 1.0 or not cfg.job.check_device_memory:
+        logger.warning(
+            "Memory plan: the largest rank's plan is %.0f%% of its free GPU memory (this rank: %s): %s",
+            100 * worst,
+            mine,
+            "it may not fit" if worst > 1.0 else "fragmentation and the framework's buffers may not fit in the rest",
+        )
+        return
+    if peak <= free:
+        raise ConfigError(
+            f"another rank's memory plan does not fit its GPU ({100 * worst:.0f}% of its free memory; its error names "
+            f"the changes that would fit); this rank: {mine}"
+        )
+    raise ConfigError(
+        f"the memory plan does not fit: {mine}.\n"
+        + format_capacity({"capacity": capacity})
+        + "\n(`--job.dry_run --job.dry_run_world_size N` plans this from any machine, larger TP degrees included; "
+        "`--job.check_device_memory false` makes this a warning)"
+    )
+
+
+def format_capacity(p: dict[str, Any]) -> str:
+    """The plan's verdict against the device: fits, fits but close (a warning), or does not fit, with its largest
+    terms and the changes that would fit."""
+    cap = p["capacity"]
+    device, peak = cap["device_bytes"], cap["peak_bytes"]
+    head = f"{peak / GIB:.1f} GiB planned on rank {cap['rank']} of a {device / GIB:g} GiB device"
+    if cap["fits"] and not cap["warn"]:
+        return f"Fits: {head} ({100 * peak / device:.0f}%)."
+    if cap["fits"]:
+        return (
+            f"WARNING: fits, but close: {head} ({100 * peak / device:.0f}%, above {100 * WARN_FRACTION:.0f}%): "
+            "fragmentation and the framework's own buffers may not fit in the rest."
+        )
+    lines = [f"Does not fit: {head}. The largest terms:"]
+    lines += [f"  {label:<48} {value / GIB:10.1f} GiB" for label, value in cap["largest_terms"]]
+    if cap["alternatives"]:
+        lines.append("Each of these changes alone, planned (--job.dry_run_device_memory_gib sets the device):")
+        lines += [
+            f"  {a['change']:<88} {a['peak_bytes'] / GIB:8.1f} GiB  {'fits' if a['fits'] else 'does not fit'}"
+            for a in cap["alternatives"]
+        ]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -172,7 +365,7 @@ def _packed_peak(sizes: Sequence[float], z3: bool) -> float:
     def s(i: int) -> float:
         return sizes[i] if 0 <= i < n else 0.0
 
-    forward = max(s(g) + s(g + 1) for g in range(n)) if z3 else sum(sizes)
+    forward = max((s(g) + s(g + 1) for g in range(n)), default=0.0) if z3 else sum(sizes)
     backward = 0.0
     for g in reversed(range(n)):
         params = s(g) + s(g - 1) if z3 else sum(sizes[: g + 1])
@@ -185,22 +378,29 @@ def _summary(values: np.ndarray) -> dict[str, Any]:
     return {"min": min(v), "median": float(statistics.median(v)), "max": max(v), "per_rank": v}
 
 
-def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
-    """Every figure of the dry run as a JSON-able dict (`format_plan` prints it)."""
-    world_size = world_size or cfg.job.dry_run_world_size or cfg.job.dry_run_nodes * cfg.job.dry_run_gpus_per_node
-    started = time.perf_counter()
-    model, spec, dims, info = build_on_fake_world(cfg, world_size)
+def plan_memory(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    device_bytes: float | None = None,
+    rank: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every rank's memory for the parallelized (meta) `model` and whether rank `rank`'s (default: the largest) fits
+    `device_bytes` (default `job.dry_run_device_memory_gib`): (memory terms by rank, capacity, what the other
+    sections reuse). The dry run calls it on its fake world; a real run on
+    CUDA on its own build, before it allocates anything (`check_device_memory`)."""
     mesh = Mesh(dims.dp_replicate, dims.dp_shard, dims.tp)
     R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
     coords = mesh.coords()
-    t, m = cfg.training, cfg.optimizer.muon
+    t = cfg.training
     z3 = cfg.optimizer.dmuon.reshard_after_forward
     param_dtype = DTYPES[t.mixed_precision_param]
     reduce_dtype = DTYPES[t.mixed_precision_reduce]
     e_param = param_dtype.itemsize
     e_reduce = reduce_dtype.itemsize
 
-    dps = dmuon.get_dedicated_params(model)
+    dps = dmuon.get_dedicated_params(model) if dmuon.state.find_state(model) is not None else []
     own = set(dp.param for dp in dps)
     master_bytes = 4.0  # fp32 masters, momentum and reduced grads
     fsdp_elem = next((p.dtype.itemsize for p in model.parameters() if p not in own), 4)
@@ -226,17 +426,15 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
         groups.setdefault(dp.group.index, []).append(dp)
     group_bytes = [sum(d.numel for d in groups[i]) * groups[i][0].group.dtype.itemsize for i in sorted(groups)]
     transient = _packed_peak(group_bytes, z3)
-    activations = None
-    if spec.activation_bytes is not None:
-        activations = spec.activation_bytes(
-            model,
-            batch=t.local_batch_size,
-            seq_len=t.seq_len,
-            dtype_bytes=e_param,
-            tp=T,
-            ac_mode=cfg.activation_checkpoint.mode,
-        )
-    peak = resident + transient + (activations or 0.0)
+    # FSDP2's root unit (embeddings, output, and under DMuon every block's norms) is gathered whole per TP rank from
+    # forward to the end of backward ("default": not resharded after forward; "always": gathered again for
+    # backward), and its unsharded grads, cast to the reduce dtype, wait for their reduce-scatter at the end.
+    root = fsdp_root_numel.reshape(R, N, T).sum(axis=1, keepdims=True).repeat(N, axis=1).reshape(-1)
+    root_unsharded = root * (e_param + e_reduce)
+    base = resident + transient + root_unsharded  # per rank; the activations are the same on every rank
+    estimate = _activation_estimate(spec, model, cfg, T)
+    activations = estimate.total if estimate is not None else 0.0
+    peak = base + activations
     memory = {
         "fsdp_param_shards": _summary(fsdp),
         "dmuon_fp32_masters": _summary(masters),
@@ -245,9 +443,32 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
         "gradients": _summary(grads),
         "resident_total": _summary(resident),
         "dmuon_packed_transient_peak": _summary(np.full(W, transient)),
-        "activations_estimate": None if activations is None else _summary(np.full(W, activations)),
+        "fsdp_root_unsharded": _summary(root_unsharded),
+        "activations_estimate": None if estimate is None else _summary(np.full(W, activations)),
+        "activation_terms": None if estimate is None else _activation_terms(estimate),
         "peak_estimate": _summary(peak),
     }
+    device = cfg.job.dry_run_device_memory_gib * GIB if device_bytes is None else device_bytes
+    rank = int(np.argmax(peak)) if rank is None else rank  # the dry run: the largest rank; a real run: its own
+    capacity = _capacity(memory, rank, device)
+    if not capacity["fits"] and estimate is not None:
+        capacity["alternatives"] = _activation_alternatives(cfg, spec, model, T, float(base[rank]), device)
+    ctx = dict(mesh=mesh, coords=coords, dps=dps, z3=z3, fsdp_numel=fsdp_numel, fsdp_root_numel=fsdp_root_numel)
+    return memory, capacity, ctx | dict(e_param=e_param, e_reduce=e_reduce)
+
+
+def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
+    """Every figure of the dry run as a JSON-able dict (`format_plan` prints it)."""
+    world_size = world_size or cfg.job.dry_run_world_size or cfg.job.dry_run_nodes * cfg.job.dry_run_gpus_per_node
+    started = time.perf_counter()
+    model, spec, dims, info = build_on_fake_world(cfg, world_size)
+    memory, capacity, ctx = plan_memory(model, spec, dims, cfg)
+    mesh, coords, dps, z3 = ctx["mesh"], ctx["coords"], ctx["dps"], ctx["z3"]
+    R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
+    t, m = cfg.training, cfg.optimizer.muon
+    fsdp_numel, fsdp_root_numel, e_param, e_reduce = (
+        ctx[k] for k in ("fsdp_numel", "fsdp_root_numel", "e_param", "e_reduce")
+    )
 
     # ---- LPT plan -----------------------------------------------------------------------------------------
     ns_steps = m.ns_steps
@@ -315,7 +536,8 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             "mesh": {"replicate": R, "shard": N, "tp": T},
             "local_batch_size": t.local_batch_size,
             "seq_len": t.seq_len,
-            "activation_checkpoint": cfg.activation_checkpoint.mode,
+            "activation_checkpoint": _ac_label(cfg),
+            "loss_parallel": T > 1 and not cfg.parallelism.disable_loss_parallel,
             "param_dtype": t.mixed_precision_param,
             "reduce_dtype": t.mixed_precision_reduce,
             "dmuon_mode": "Z3" if z3 else "Z2",
@@ -323,6 +545,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
         },
         "layout": describe_layout(dims, [f"node{g // cfg.job.dry_run_gpus_per_node}" for g in range(W)]),
         "memory_bytes": memory,
+        "capacity": capacity,
         "lpt": lpt,
         "bytes_per_step": comm,
         "planner": {"seconds": elapsed, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
@@ -437,7 +660,7 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{mesh['replicate']} x shard {mesh['shard']} x tp {mesh['tp']} (fake process group, meta tensors)",
         f"  micro-batch {c['local_batch_size']} x {c['seq_len']} tokens per DP rank, AC {c['activation_checkpoint']}, "
         f"params {c['param_dtype']} / reduce {c['reduce_dtype']}, DMuon-{c['dmuon_mode']}, "
-        f"FSDP2 reshard {c['fsdp_reshard_after_forward']}",
+        f"FSDP2 reshard {c['fsdp_reshard_after_forward']}" + (", loss parallel" if c["loss_parallel"] else ""),
         "",
         p["layout"],
         "",
@@ -452,10 +675,18 @@ def format_plan(p: dict[str, Any]) -> str:
         ("gradients", "gradients (FSDP2 shards + owners' reduced)"),
         ("resident_total", "resident total"),
         ("dmuon_packed_transient_peak", f"DMuon packed buffers, {c['dmuon_mode']} transient peak"),
+        ("fsdp_root_unsharded", "FSDP2 root unit gathered (params + grads)"),
         ("activations_estimate", f"activations (estimate, AC {c['activation_checkpoint']})"),
-        ("peak_estimate", "peak (resident + transient + activations)"),
+        ("peak_estimate", "peak (resident + transients + activations)"),
     ]
     lines += [_row(label, mem[key], scale, unit) for key, label in labels]
+    if mem["activation_terms"] is not None:
+        act = mem["activation_terms"]
+        lines.append(
+            "    of which: "
+            + ", ".join(f"{ACTIVATION_TERMS[k]} {act[k] / scale:.3f}" for k in ACTIVATION_TERMS)
+            + f" {unit} (the peak: blocks + max(head + its grads, recompute))"
+        )
     lo = lpt["owners_per_layer"]
     first = ", ".join(
         f"{fqn.rsplit('.', 2)[-2]}->({o['owner_shard']},{o['owner_replicate']}"
@@ -516,18 +747,43 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def dry_run(cfg: JobConfig) -> int:
-    """`train.py --job.dry_run`: plan, print, write the JSON; 0 on success."""
+    """`train.py --job.dry_run`: plan, print, write the JSON; 0 when the plan fits the device, 2 when it does not
+    (with the changes that would fit: AC, micro-batch, a larger TP degree, each planned)."""
     try:
         result = plan(cfg)
         print(format_plan(result), flush=True)
-        if cfg.job.dry_run_json:
-            with open(cfg.job.dry_run_json, "w") as f:
-                json.dump(result, f, indent=1)
-            logger.info("Dry-run figures in %s", cfg.job.dry_run_json)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if not result["capacity"]["fits"]:
+        result["capacity"]["alternatives"] += tp_alternatives(cfg, result)
+    if cfg.job.dry_run_json:
+        with open(cfg.job.dry_run_json, "w") as f:
+            json.dump(result, f, indent=1)
+        logger.info("Dry-run figures in %s", cfg.job.dry_run_json)
+    verdict = format_capacity(result)
+    print("\n" + verdict, flush=True)
+    if not result["capacity"]["fits"]:
+        cap = result["capacity"]
+        print(
+            f"error: the plan needs {cap['peak_bytes'] / GIB:.1f} GiB on rank {cap['rank']}, more than the "
+            f"{cap['device_bytes'] / GIB:g} GiB device (job.dry_run_device_memory_gib): apply one of the changes "
+            "listed above",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     return 0
 
 
-__all__ = ["Mesh", "build_on_fake_world", "dry_run", "format_plan", "plan"]
+__all__ = [
+    "Mesh",
+    "build_on_fake_world",
+    "check_device_memory",
+    "dry_run",
+    "plan_memory",
+    "format_capacity",
+    "format_plan",
+    "plan",
+    "tp_alternatives",
+]

@@ -24,6 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_dmuon.checkpoint import CheckpointManager, validate_checkpoint_config
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
@@ -139,6 +141,12 @@ class Trainer:
         )
         # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer's prepare (DMuon records ownership) -> FSDP2.
         self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optim)
+        #     Loss parallel (TP): the model's logits stay sharded over the vocabulary (see `_loss_parallel`).
+        self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        #     On CUDA, each rank's memory plan against its GPU's free memory, before anything is allocated: a plan
+        #     that cannot fit is a ConfigError (on every rank) naming its largest terms and the changes that would.
+        if self.device.type == "cuda" and cfg.optimizer.name == "dmuon":
+            self._check_device_memory()
         # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, its owner column's DMuon
         #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
         #     starts from the same weights on any cluster shape (titan_dmuon/init.py).
@@ -259,9 +267,36 @@ class Trainer:
         except DataError as e:
             raise ConfigError(f"validation data: {e}") from None
 
+    def _check_device_memory(self) -> None:
+        from titan_dmuon.planner import check_device_memory
+
+        def worst_of_ranks(ratio: float) -> float:
+            t = torch.tensor([ratio], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.item()
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        check_device_memory(self.model, self.spec, self.dims, self.cfg, self.rank, free, total, worst_of_ranks)
+
     # -------------------------------------------------------------------------------------------- step
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """Loss parallel (TP, unless parallelism.disable_loss_parallel): the context a micro-batch's forward, loss
+        and backward run in; a no-op otherwise.
+
+        The TP plan leaves the logits a DTensor sharded on the vocab dim; inside torch's `loss_parallel()` the
+        cross-entropy's log-softmax and NLL reduce over the TP group (a max, a sum and the target logit, each
+        [tokens] wide) instead of every TP rank holding the whole [tokens, vocab] logits. Their backward is
+        also loss parallel's own op, so `loss.backward()` must run inside too.
+        """
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
     def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.spec.loss_fn(self.model(inputs), labels)
+        """One micro-batch's loss as a plain scalar tensor (the same on all TP ranks). Call it, and backward it,
+        inside `self._loss_parallel()`."""
+        loss = self.spec.loss_fn(self.model(inputs), labels)
+        if isinstance(loss, DTensor):  # loss parallel: replicated over TP, so no communication here
+            loss = loss.full_tensor()
+        return loss
 
     def train_step(self, data_iter) -> tuple[float, float, int]:
         """One optimizer step over gradient_accumulation_steps micro-batches.
@@ -276,7 +311,7 @@ class Trainer:
             inputs, labels = next(data_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             # No gradient communication on the micro-batches before the last one (grad accumulation).
-            with self.optim.no_sync() if i < accum - 1 else contextlib.nullcontext():
+            with self.optim.no_sync() if i < accum - 1 else contextlib.nullcontext(), self._loss_parallel():
                 loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
                 loss.backward()
             loss_sum += loss.detach()
@@ -304,7 +339,8 @@ class Trainer:
         for i, (inputs, labels) in enumerate(self.val_dataloader):
             if i >= self.cfg.validation.steps:
                 break
-            total[0] += self._loss(inputs.to(self.device), labels.to(self.device)).double()
+            with self._loss_parallel():
+                total[0] += self._loss(inputs.to(self.device), labels.to(self.device)).double()
             total[1] += 1
         dist.all_reduce(total)
         if total[1].item() == 0:

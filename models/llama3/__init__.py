@@ -10,7 +10,7 @@ from torch import nn
 
 from titan_dmuon.components.model import ModelSpec, register_model_spec
 
-from .memory import activation_bytes
+from .memory import ActivationEstimate, activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
 from .parallelize import apply_tp
 from .state_dict_adapter import Llama3StateDictAdapter
@@ -123,7 +123,7 @@ SPEC = register_model_spec(
         param_inits=lambda model: model.param_inits(),
         init_buffers=lambda model, device: model.init_buffers(device),
         apply_tp=apply_tp,
-        activation_bytes=activation_bytes,
+        activation_estimate=activation_estimate,
         state_dict_adapter=Llama3StateDictAdapter.from_model,
     )
 )
@@ -136,7 +136,8 @@ __all__ = [
     "llama3_configs",
     "get_model_args",
     "build_model",
-    "activation_bytes",
+    "ActivationEstimate",
+    "activation_estimate",
     "apply_tp",
     "get_nparams_and_flops",
     "LLAMA3_VOCAB_SIZE",

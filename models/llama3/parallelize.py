@@ -18,15 +18,23 @@ from torch.distributed.tensor.parallel import (
 logger = logging.getLogger(__name__)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> nn.Module:
     """Shard ``model`` (a ``models.llama3.Transformer``) over the 1D ``tp_mesh`` in place and return it.
 
     Attention/FFN input projections are column-parallel and output projections row-parallel, so each rank
     holds ``n_heads // tp`` query heads and ``n_kv_heads // tp`` kv heads; attention infers its local head
     count from the projection width. With ``sequence_parallel`` the activations between blocks, the norms
     and the residual stream are sharded along the sequence dim (``Shard(1)``), so the sequence length must
-    divide by the TP degree. Logits come back replicated (no loss parallel).
+    divide by the TP degree.
+
+    With ``loss_parallel`` the output projection keeps its logits sharded over the vocabulary: the model returns
+    a DTensor ``[B, L, vocab_size]`` placed ``Shard(-1)`` on ``tp_mesh`` (each rank computes only its
+    ``vocab_size // tp`` columns), for a cross-entropy run inside ``torch.distributed.tensor.parallel.
+    loss_parallel()`` (the trainer's ``_loss``). Without it the logits come back as a plain, replicated tensor.
     """
+    output_layouts, use_local_output = (Shard(-1), False) if loss_parallel else (Replicate(), True)
     tp = tp_mesh.size()
     args = model.args
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads)):
@@ -37,7 +45,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         top_plan = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=output_layouts, use_local_output=use_local_output
+            ),
         }
         block_plan = {
             "attention_norm": SequenceParallel(),
@@ -56,7 +66,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         # Activations stay replicated between blocks; norms remain plain (replicated) parameters.
         top_plan = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+            "output": ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=output_layouts, use_local_output=use_local_output
+            ),
         }
         block_plan = {
             "attention.wq": ColwiseParallel(),
@@ -71,5 +83,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     parallelize_module(model, tp_mesh, top_plan)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
-    logger.info("Applied tensor parallel (degree %d, sequence_parallel=%s)", tp, sequence_parallel)
+    logger.info(
+        "Applied tensor parallel (degree %d, sequence_parallel=%s, loss_parallel=%s)",
+        tp,
+        sequence_parallel,
+        loss_parallel,
+    )
     return model

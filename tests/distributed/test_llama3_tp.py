@@ -1,4 +1,4 @@
-"""TP-applied Llama-3 (2 real gloo ranks) matches the single-process model: logits, loss and grads."""
+"""TP-applied Llama-3 (2 real gloo ranks, loss parallel) matches the single-process model: logits, loss and grads."""
 
 from __future__ import annotations
 
@@ -30,9 +30,18 @@ def _tiny(n_kv_heads: int):
 
 
 def _loss_and_grads(model, tokens, labels):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
     logits = model(tokens)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    loss.backward()
+    if isinstance(logits, DTensor):  # apply_tp's default loss parallel: logits sharded over the vocabulary
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+        logits, loss = logits.full_tensor(), loss.full_tensor()
+    else:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad

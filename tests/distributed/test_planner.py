@@ -116,26 +116,32 @@ def test_planner_equals_a_real_four_rank_run(layout, tmp_path) -> None:
     assert kinds >= {"broadcast", "reduce"} and kinds & {"replicate_reduce", "tp_gather"}, kinds
 
 
+LAYERS = {"llama3_8b.toml": 32, "llama3_70b.toml": 80, "llama3_405b.toml": 126}
+GIB = 2.0**30
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,world,extra",
     [
-        ("llama3_8b.toml", 64, []),
-        (
-            "llama3_70b.toml",
-            256,
-            ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.tensor_parallel_degree", "1"],
-        ),
+        ("llama3_8b.toml", 8, []),
+        ("llama3_70b.toml", 64, []),
+        ("llama3_405b.toml", 1024, []),
+        ("llama3_70b.toml", 256, ["--parallelism.data_parallel_replicate_degree", "4"]),
     ],
-    ids=["8B-64", "70B-256-hsdp4x64"],
+    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4 (README)"],
 )
 def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) -> None:
-    """Within a minute of CPU (the process: imports included) and 4 GiB of RSS."""
+    """At the cluster each config's header names (and the README's 70B command), within a minute of CPU (the
+    process: imports included) and 4 GiB of RSS, each fits an 80 GiB device, and says so."""
     planned, seconds = dry_run(["--config", f"train_configs/{config}", *extra], world, tmp_path / "plan.json")
     assert seconds < 60 and planned["planner"]["max_rss_bytes"] < 4 * 2**30, (seconds, planned["planner"])
     c, mem, lpt, comm = planned["config"], planned["memory_bytes"], planned["lpt"], planned["bytes_per_step"]
     assert c["world_size"] == world and len(mem["resident_total"]["per_rank"]) == world
-    assert lpt["matrices"] == 7 * {"llama3_8b.toml": 32, "llama3_70b.toml": 80}[config]
+    cap = planned["capacity"]
+    assert cap["fits"] and cap["device_bytes"] == 80 * GIB and cap["alternatives"] == []
+    assert cap["peak_bytes"] == mem["peak_estimate"]["max"] <= 80 * GIB, mem["peak_estimate"]["max"] / GIB
+    assert lpt["matrices"] == 7 * LAYERS[config]
     assert lpt["ns_flops_lower_bound"] <= lpt["ns_flops_per_rank"]["max"] <= 1.25 * lpt["ns_flops_lower_bound"]
     n = c["mesh"]["shard"]
     p_m = comm["p_m_elements"]
@@ -146,3 +152,54 @@ def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) ->
     # each rank holds its share: the fp32 masters add up to the Muon matrices once per replicate row and TP rank
     copies = c["mesh"]["replicate"] * c["mesh"]["tp"]
     assert sum(mem["dmuon_fp32_masters"]["per_rank"]) == pytest.approx(4 * p_m * copies)
+
+
+@pytest.mark.slow
+def test_a_plan_that_does_not_fit_exits_2_with_the_changes_that_fit(tmp_path) -> None:
+    """70B on 64 ranks without AC: exit 2, the largest terms, and each alternative with its planned peak, equal
+    to what the planner gives when that change is made (so the alternatives are computed, not guessed)."""
+    out = tmp_path / "plan.json"
+    argv = ["--config", "train_configs/llama3_70b.toml", "--activation_checkpoint.mode", "none"]
+    cmd = [sys.executable, "train.py", *argv, "--job.dry_run", "--job.dry_run_world_size", "64"]
+    proc = subprocess.run([*cmd, "--job.dry_run_json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Does not fit" in proc.stdout and "activations kept by the blocks" in proc.stdout, proc.stdout[-3000:]
+    assert "error: the plan needs" in proc.stderr and "80 GiB device" in proc.stderr, proc.stderr[-2000:]
+    cap = json.loads(out.read_text())["capacity"]
+    assert not cap["fits"] and cap["peak_bytes"] > 80 * GIB
+    assert cap["largest_terms"][0][0] == "activations kept by the blocks"
+    alternatives = {a["change"]: a for a in cap["alternatives"]}
+    full = alternatives["--activation_checkpoint.mode full"]
+    assert full["fits"]
+    assert any(c.startswith("--training.local_batch_size") for c in alternatives), alternatives
+    assert all(c in proc.stdout for c in alternatives)
+    # the full-AC figure is the plan of the shipped config (full AC), made by the planner itself
+    planned, _ = dry_run(["--config", "train_configs/llama3_70b.toml"], 64, tmp_path / "full.json")
+    assert full["peak_bytes"] == pytest.approx(planned["capacity"]["peak_bytes"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_larger_tp_degree_is_planned_anew(tmp_path) -> None:
+    """8B on 8 ranks, TP 1, no AC, 2 x 8192: larger TP degrees are listed up to the first that fits, and the TP 2
+    one is a whole new plan on the same world: its figure is that plan's."""
+    out = tmp_path / "plan.json"
+    argv = ["--config", "train_configs/llama3_8b.toml", "--activation_checkpoint.mode", "none"]
+    argv += ["--training.local_batch_size", "2", "--job.dry_run", "--job.dry_run_world_size", "8"]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *argv, "--job.dry_run_json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    alternatives = {a["change"]: a for a in json.loads(out.read_text())["capacity"]["alternatives"]}
+    tps = [a for c, a in alternatives.items() if c.startswith("--parallelism.tensor_parallel_degree")]
+    assert tps and tps[-1]["fits"] and not any(a["fits"] for a in tps[:-1]), tps  # up to the first that fits
+    tp2 = alternatives["--parallelism.tensor_parallel_degree 2"]
+    argv = ["--config", "train_configs/llama3_8b.toml", "--activation_checkpoint.mode", "none"]
+    argv += ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
+    argv += ["--job.dry_run_device_memory_gib", "1000"]  # the peak does not depend on the device; this one fits
+    planned, _ = dry_run(argv, 8, tmp_path / "tp2.json")
+    assert planned["config"]["mesh"] == {"replicate": 1, "shard": 4, "tp": 2}
+    assert tp2["peak_bytes"] == pytest.approx(planned["capacity"]["peak_bytes"], rel=1e-12)

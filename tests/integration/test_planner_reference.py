@@ -10,8 +10,9 @@ numel x element size of the model's own parameters, counted here:
              + DMuon's fp32 masters of the matrices owned in the rank's shard column + Muon momentum (fp32) of
              those the rank owns globally + AdamW's two moments per FSDP2 element + the gradients (FSDP2 shards
              and the owners' fp32 reduced grads)
-  peak       resident + the packed-buffer transient the plan replays + the family's activation estimate
-             (models/llama3/memory.py, called here)
+  peak       resident + the packed-buffer transient the plan replays + FSDP2's root unit gathered (params and
+             grads of everything Muon does not take) + the family's activation estimate (models/llama3/memory.py,
+             called here)
   traffic    per rank and step (README.md and docs/dmuon.md, "Bytes per step"), P_M = the Muon matrices' elements:
              DMuon Z3 broadcasts 2 (N-1)/N P_M and reduces (N-1)/N P_M; HSDP adds (R-1)/R P_col for the replicate
              reduce and as much for the publish (the reduces may carry one has-grad flag per matrix: M more
@@ -91,6 +92,7 @@ def _expected(replicate: int, shard: int, owners: dict) -> dict:
         out["other"].append((2 * frac_n * p_other + 2 * frac_r * p_other / shard) * E)
     fsdp_adamw = (3 * frac_n * p_m + 2 * frac_r * p_m / shard) * E
     out["fsdp2_adamw"] = fsdp_adamw
+    out["p_other"] = p_other
     out["naive"] = fsdp_adamw + (WORLD // replicate - 1) / (WORLD // replicate) * p_m * E
     # a sanity check of the counts themselves: each matrix's momentum once, its master once per replica
     out["momentum_sum"], out["masters_sum"] = p_m * E, p_m * E * replicate
@@ -99,7 +101,7 @@ def _expected(replicate: int, shard: int, owners: dict) -> dict:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout):
-    from models.llama3.memory import activation_bytes
+    from models.llama3.memory import activation_estimate
 
     replicate, shard = LAYOUTS[layout]
     plan = _plan(tmp_path, replicate)
@@ -109,7 +111,7 @@ def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout)
     assert sum(mem["muon_momentum"]["per_rank"]) == want["momentum_sum"]
     assert sum(mem["dmuon_fp32_masters"]["per_rank"]) == want["masters_sum"]
 
-    activations = activation_bytes(_model(), batch=BATCH, seq_len=SEQ, dtype_bytes=E, tp=1, ac_mode="none")
+    activations = activation_estimate(_model(), batch=BATCH, seq_len=SEQ, dtype_bytes=E, tp=1, ac_mode="none").total
     transient = mem["dmuon_packed_transient_peak"]["per_rank"]
     assert len(set(transient)) == 1 and transient[0] > 0
     flags = []  # per rank, which count of the reduces it matches: without has-grad flags, with them
@@ -117,7 +119,12 @@ def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout)
         resident = mem["resident_total"]["per_rank"][g]
         assert resident == pytest.approx(want["resident"][g], rel=1e-12), (layout, g, "resident total")
         peak = mem["peak_estimate"]["per_rank"][g]
-        assert peak == pytest.approx(want["resident"][g] + transient[g] + activations, rel=1e-12), (layout, g, "peak")
+        # FSDP2's root unit (every param Muon does not take: DMuon's blocks are no units) gathered whole, its params
+        # and its grads (fp32 both here)
+        root = want["p_other"] * 2 * E
+        assert mem["fsdp_root_unsharded"]["per_rank"][g] == pytest.approx(root, rel=1e-12), (layout, g, "root")
+        want_peak = want["resident"][g] + transient[g] + root + activations
+        assert peak == pytest.approx(want_peak, rel=1e-12), (layout, g, "peak")
         reduces = sum(comm["dmuon_bytes"][k]["per_rank"][g] for k in ("reduce", "replicate_reduce"))
         flags.append([i for i, r in enumerate(want["dmuon_reduces"][g]) if r == pytest.approx(reduces, rel=1e-12)])
         assert flags[-1], (layout, g, "DMuon reduce bytes", reduces, want["dmuon_reduces"][g])

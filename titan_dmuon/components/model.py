@@ -19,14 +19,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.init import ParamInit
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of `logits [B, T, V]` against `labels [B, T]`, in fp32."""
+    """Mean next-token cross-entropy of `logits [B, T, V]` against `labels [B, T]`, in fp32.
+
+    Under loss parallel (TP, see the trainer's `_loss`) `logits` is a DTensor sharded on V: `flatten(0, 1)` keeps
+    it sharded on V (now dim 1), and inside `loss_parallel()` the log-softmax and NLL reduce over the TP group.
+    Each TP rank then holds [B*T, V/tp] of the logits, of their fp32 copy and of the log-softmax (and of their
+    grads) instead of the whole [B*T, V] of each: the largest activations of a small model with a big vocabulary.
+    """
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
@@ -59,13 +64,20 @@ class ModelSpec:
     init_buffers: Callable[[nn.Module, torch.device], None]
     """`(model, device)` -> computes the model's buffers (e.g. RoPE tables) on `device`, after materialization."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_loss
-    """`(model output, labels)` -> the scalar training loss (a mean, so DP ranks average to the global mean)."""
-    apply_tp: Callable[[nn.Module, DeviceMesh], Any] | None = None
-    """The tensor-parallel plan, `(model, tp_mesh)`, applied in place; None = the family has none. It raises
-    ValueError when the degree does not fit the flavor."""
-    activation_bytes: Callable[..., float] | None = None
-    """`(model, *, batch, seq_len, dtype_bytes, tp, ac_mode)` -> an estimate of one rank's activation memory in
-    bytes for a micro-batch (the dry-run planner prints it); None = the planner says it has no estimate."""
+    """`(model output, labels)` -> the scalar training loss (a mean, so DP ranks average to the global mean).
+    Under loss parallel the output is a DTensor sharded on its last dim and the trainer calls this inside
+    `torch.distributed.tensor.parallel.loss_parallel()`: it must use `F.cross_entropy` (the op loss parallel
+    implements) on it."""
+    apply_tp: Callable[..., Any] | None = None
+    """The tensor-parallel plan, `(model, tp_mesh, *, loss_parallel)`, applied in place; None = the family has
+    none. With `loss_parallel` (the default unless `parallelism.disable_loss_parallel`) the model returns its
+    logits as a DTensor sharded on the last (vocab) dim, else a plain replicated tensor. It raises ValueError
+    when the degree does not fit the flavor."""
+    activation_estimate: Callable[..., Any] | None = None
+    """`(model, *, batch, seq_len, dtype_bytes, tp, ac_mode, ac_option, loss_parallel)` -> an estimate of one rank's
+    activation memory for a micro-batch: an object with `.total` (bytes at the peak of backward) and its terms as
+    float fields (the dry-run planner prints them and checks that the plan fits the device); None = the planner
+    says it has no estimate."""
     state_dict_adapter: Callable[[nn.Module], Any] | None = None
     """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
     the HF config.json (titan_dmuon/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and

@@ -39,6 +39,16 @@ class Job:
     """Sustained bf16 matmul TFLOP/s per GPU for the dry run's Newton-Schulz time (790: what an H100/H200, dense
     peak 989, sustains on large matmuls).
     """
+    check_device_memory: bool = True
+    """On CUDA, before the model is allocated, compare each rank's memory plan (the dry run's, for its own build)
+    with its GPU's free memory: a plan that does not fit is an error naming the changes that would (false: a
+    warning). Only with optimizer.name = "dmuon", the layout the planner models.
+    """
+    dry_run_device_memory_gib: float = 80.0
+    """Memory of one device (GiB) the plan must fit in (80: an H100 80GB). A plan above it is an error (exit 2)
+    that lists the changes that would fit; above 90% of it, a warning. On CUDA a real run checks its own rank's plan
+    against the device's free memory instead.
+    """
 
 
 @dataclass
@@ -205,6 +215,11 @@ class Parallelism:
     again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2). Under dmuon the
     blocks are no FSDP2 units (their matrices are DMuon's; the norms join the root), so this sets only the root's.
     """
+    disable_loss_parallel: bool = False
+    """Under TP the output projection keeps its logits sharded over the vocabulary and the cross-entropy runs over
+    the TP group (loss parallelism: no replicated [tokens, vocab] logits on every TP rank); true gathers the logits
+    and computes the loss on each TP rank instead. No effect without TP.
+    """
 
 
 @dataclass
@@ -269,8 +284,13 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "selective", "full"] = "none"
-    """Activation checkpointing of whole transformer blocks (recomputed in backward): "none", "selective" (every other
-    block of the model family: blocks 0, 2, 4, ...) or "full" (every block).
+    """Activation checkpointing of the transformer blocks (recomputed in backward, docs/training.md says what each
+    mode keeps): "none"; "full" (every block keeps only its input); "selective", as `selective_ac_option` says.
+    """
+    selective_ac_option: str = "2"
+    """Under mode "selective": "op" checkpoints every block but keeps the outputs of its expensive ops (attention,
+    every other matmul), recomputing the cheap ones (norms, activations, the other matmuls); an integer n checkpoints
+    every n-th block whole (blocks 0, n, 2n, ...; "1" is "full"), the others keep everything.
     """
 
 

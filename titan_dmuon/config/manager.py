@@ -322,6 +322,16 @@ def validate_config(cfg: JobConfig) -> JobConfig:
     )
     _check(cfg.job.dry_run_tflops > 0, f"job.dry_run_tflops must be > 0, got {cfg.job.dry_run_tflops}")
     _check(
+        cfg.job.dry_run_device_memory_gib > 0,
+        f"job.dry_run_device_memory_gib must be > 0, got {cfg.job.dry_run_device_memory_gib}",
+    )
+    option = cfg.activation_checkpoint.selective_ac_option
+    _check(
+        option == "op" or (option.isdecimal() and option.isascii() and int(option) >= 1),
+        f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer n (every n-th block), got "
+        f"{option!r}",
+    )
+    _check(
         t.dataset == "stdlib" or bool(t.dataset_path),
         f"training.dataset_path is required for training.dataset = {t.dataset!r}",
     )

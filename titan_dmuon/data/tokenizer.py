@@ -59,6 +59,15 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+def _download_hint(folder: str) -> str:
+    """The one command that fills ``folder`` with a Hugging Face tokenizer (scripts/download_hf_assets.py)."""
+    return (
+        "; get it with: python scripts/download_hf_assets.py --repo_id <the HF repo of your model, e.g. "
+        f"meta-llama/Llama-3.1-8B> --assets tokenizer --local_dir {folder or '.'} (the header of "
+        "train_configs/llama3_*.toml has the exact command), or use 'byte'"
+    )
+
+
 def _token_name(value) -> str | None:
     """A special token as tokenizer_config.json spells it: a string, an AddedToken dict, or null."""
     if isinstance(value, dict):
@@ -80,7 +89,8 @@ class HFTokenizer:
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(path):
-            raise DataError(f"{folder}: no tokenizer.json in this folder; point model.tokenizer at one, or use 'byte'")
+            hint = _download_hint(folder)
+            raise DataError(f"{folder}: no tokenizer.json in this folder; point model.tokenizer at one{hint}")
         self.path = path
         try:
             self._tok = _HFTok.from_file(path)
@@ -120,7 +130,9 @@ class HFTokenizer:
                 return _token_name(data.get("bos_token")), _token_name(data.get("eos_token")), config
         raise DataError(
             f"{folder}: no tokenizer_config.json (or special_tokens_map.json) beside tokenizer.json, so BOS/EOS "
-            'are unknown; add a tokenizer_config.json with {"bos_token": "...", "eos_token": "..."}'
+            'are unknown; add a tokenizer_config.json with {"bos_token": "...", "eos_token": "..."} (or fetch '
+            "the model's with python scripts/download_hf_assets.py --repo_id <the model's HF repo> --assets tokenizer "
+            "--local_dir " + (folder or ".") + ")"
         )
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
@@ -141,5 +153,11 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.exists(spec):
+        norm = os.path.normpath(spec)
+        is_file = os.path.basename(norm) == "tokenizer.json"
+        if is_file or os.path.basename(os.path.dirname(norm)) == "tokenizer":
+            # A Hugging Face tokenizer's file or folder (assets/tokenizer/<name>/): say how to fetch it.
+            folder = os.path.dirname(spec) if is_file else spec
+            raise DataError(f"tokenizer {'file' if is_file else 'folder'} {spec} is missing{_download_hint(folder)}")
         raise DataError(f"tokenizer {spec!r}: no such file or folder; use 'byte' or the path of a tokenizer.json")
     return HFTokenizer(spec)

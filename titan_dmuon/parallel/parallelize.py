@@ -44,7 +44,9 @@ Blocks = list[tuple[str, nn.Module]]
 
 # ------------------------------------------------------------------------------------------------ TP
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig, spec: ModelSpec) -> None:
-    """The model family's TP plan (sequence parallel: the sequence must split evenly over the TP ranks)."""
+    """The model family's TP plan (sequence parallel: the sequence must split evenly over the TP ranks), with loss
+    parallelism unless `parallelism.disable_loss_parallel` (the trainer's `_loss` then runs the cross-entropy on
+    the vocab-sharded logits)."""
     tp = tp_mesh.size()
     if spec.apply_tp is None:
         raise ConfigError(f"parallelism.tensor_parallel_degree = {tp}: model family {spec.name} has no TP plan")
@@ -54,7 +56,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig,
             f"parallelism.tensor_parallel_degree ({tp}) (sequence parallelism)"
         )
     try:
-        spec.apply_tp(model, tp_mesh)
+        spec.apply_tp(model, tp_mesh, loss_parallel=not cfg.parallelism.disable_loss_parallel)
     except ValueError as e:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree = {tp} does not fit model {spec.name}/{cfg.model.flavor}: {e}"
@@ -62,31 +64,84 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, cfg: JobConfig,
 
 
 # ------------------------------------------------------------------------------------------------ AC
-def _checkpointed(fn: Callable) -> Callable:
+def _checkpointed(fn: Callable, context_fn: Callable | None = None) -> Callable:
     def forward(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        if context_fn is None:
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     forward.__wrapped__ = fn
     return forward
 
 
-def apply_ac(blocks: Blocks, mode: str) -> list[str]:
-    """Activation checkpointing of whole blocks: "full" = every block, "selective" = every other block
-    (blocks 0, 2, 4, ...), "none". Returns the FQNs of the checkpointed blocks.
+def _sac_save_ops() -> set:
+    """The ops whose outputs op-level selective AC keeps: matmuls (every other one) and attention (each SDPA
+    kernel torch may pick: flash, memory-efficient, cuDNN, the CPU one). Everything else is recomputed."""
+    aten = torch.ops.aten
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return {aten.mm.default} | {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
-    Only the block's forward body is recomputed (non-reentrant `torch.utils.checkpoint`); the module stays
-    where it is, so DMuon's and FSDP2's hooks on it are outside the checkpoint (see the module docstring).
-    """
+
+def _op_sac_context() -> tuple:
+    """One checkpoint call's contexts for op-level selective AC: save the SDPA outputs and the 1st, 3rd, ... matmul
+    of the block (for a Llama block wq, wv, w1, w2), recompute the rest. The forward and its recompute count their
+    matmuls separately, so both make the same choice for the same matmul."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save, mm = _sac_save_ops(), torch.ops.aten.mm.default
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func is mm:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def ac_plan(mode: str, option: str, n_blocks: int) -> tuple[list[int], bool]:
+    """(indices of the blocks to checkpoint, whether op-level) for `activation_checkpoint.mode` / `selective_ac_option`:
+    "full": every block whole; "selective" with "op": every block, op-level; with n: blocks 0, n, 2n, ... whole."""
     if mode == "none":
-        return []
-    if mode not in ("selective", "full"):
-        raise ValueError(f"activation checkpoint mode must be 'none', 'selective' or 'full', got {mode!r}")
+        return [], False
+    if mode == "full":
+        return list(range(n_blocks)), False
+    if mode != "selective":
+        raise ConfigError(f"activation_checkpoint.mode must be 'none', 'selective' or 'full', got {mode!r}")
+    if option == "op":
+        return list(range(n_blocks)), True
+    if not (option.isdecimal() and option.isascii()) or int(option) < 1:
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer n (every n-th block), "
+            f"got {option!r}"
+        )
+    return list(range(0, n_blocks, int(option))), False
+
+
+def apply_ac(blocks: Blocks, mode: str, option: str = "2") -> list[str]:
+    """Activation checkpointing of the blocks (`ac_plan`); returns the FQNs of the checkpointed blocks.
+
+    Only the block's forward body is recomputed (non-reentrant `torch.utils.checkpoint`, op-level through a
+    selective-checkpoint policy); the module stays where it is, so DMuon's and FSDP2's hooks on it are outside the
+    checkpoint (see the module docstring).
+    """
+    chosen, per_op = ac_plan(mode, option, len(blocks))
     done = []
-    for i, (fqn, block) in enumerate(blocks):
-        if mode == "full" or i % 2 == 0:
-            block.forward = _checkpointed(block.forward)
-            done.append(fqn)
-    logger.info("Activation checkpointing (%s): %d of %d blocks", mode, len(done), len(blocks))
+    for i in chosen:
+        fqn, block = blocks[i]
+        block.forward = _checkpointed(block.forward, _op_sac_context if per_op else None)
+        done.append(fqn)
+    if mode != "none":
+        what = "op-level" if per_op else "whole blocks"
+        logger.info("Activation checkpointing (%s, %s): %d of %d blocks", mode, what, len(done), len(blocks))
     return done
 
 
@@ -183,7 +238,7 @@ def parallelize(
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"], cfg, spec)
     blocks = spec.blocks(model)
-    apply_ac(blocks, cfg.activation_checkpoint.mode)
+    apply_ac(blocks, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(blocks)
     ignored = optimizer.prepare(model, dims, mesh)

@@ -64,14 +64,21 @@ def test_default_muon_predicate_selects_block_matrices_only() -> None:
 
 
 @pytest.mark.parametrize(
-    "mode,expect",
-    [("none", []), ("selective", ["layers.0", "layers.2"]), ("full", ["layers.0", "layers.1", "layers.2"])],
+    "mode,option,expect",
+    [
+        ("none", "2", []),
+        ("selective", "2", ["layers.0", "layers.2"]),
+        ("selective", "3", ["layers.0"]),
+        ("selective", "1", ["layers.0", "layers.1", "layers.2"]),
+        ("selective", "op", ["layers.0", "layers.1", "layers.2"]),
+        ("full", "2", ["layers.0", "layers.1", "layers.2"]),
+    ],
 )
-def test_activation_checkpointing_keeps_fqns_and_gradients(mode, expect) -> None:
+def test_activation_checkpointing_keeps_fqns_and_gradients(mode, option, expect) -> None:
     torch.manual_seed(0)
     ref = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=3, max_seq_len=16)
     model = copy.deepcopy(ref)
-    assert apply_ac(blocks(model), mode) == expect
+    assert apply_ac(blocks(model), mode, option) == expect
     # The module tree is untouched: same FQNs (DMuon's hook boundaries and the muon_params regex rely on it).
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
@@ -116,3 +123,36 @@ def test_fsdp_blocks_keeps_blocks_with_enough_params() -> None:
     assert fsdp_blocks(blocks, set()) == [b for _, b in blocks]
     ignored = {b.w for _, b in blocks}
     assert fsdp_blocks(blocks, ignored) == [blocks[1][1]]  # 0.5% kept: none; 1%: a unit; nothing kept: none
+
+
+@pytest.mark.parametrize("option", ["0", "-1", "two", "ops"])
+def test_selective_ac_option_must_be_op_or_a_positive_integer(option) -> None:
+    model = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=2, max_seq_len=16)
+    with pytest.raises(ConfigError, match=r"selective_ac_option must be 'op' or a positive integer"):
+        apply_ac(blocks(model), "selective", option)
+
+
+def test_op_level_ac_recomputes_only_what_it_does_not_keep() -> None:
+    """Per op: the forward saves the outputs of SDPA and of every other matmul; the recompute in backward runs
+    the other matmuls again (3 of a block's 7) and SDPA not at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build_model("tinymodel", vocab_size=64, device="cpu", n_layers=1, max_seq_len=16)
+    apply_ac(blocks(model), "selective", "op")
+    x = torch.randn(2, 16, model.args.dim, requires_grad=True)
+    out = model.layers["0"](x, model.rope_cache)
+    with Count() as seen:
+        out.sum().backward()
+    recomputed_mm = seen.ops.count("mm") - 2 * 7  # each of the 7 matmuls has two in its backward
+    assert recomputed_mm == 3, seen.ops
+    assert not [op for op in seen.ops if op.startswith("_scaled_dot_product") and "backward" not in op], seen.ops
