@@ -4,7 +4,8 @@ Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (o
 Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N or --job.dry_run_nodes M (planner.py).
 Multi-node: scripts/multinode_trainer.slurm (sbatch); docs/training.md, Launching.
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed (also when a peer rank died or hung:
-a collective timed out, comm.*_timeout_seconds), 2 configuration error.
+a collective timed out, comm.*_timeout_seconds), 2 configuration error, 128 + N stopped by signal N (143 SIGTERM,
+138 SIGUSR1, 130 SIGINT) after saving a checkpoint of the step reached (titan_dmuon/preemption.py): rerun to resume.
 """
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ logger = logging.getLogger("train")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The run's exit status, through `exit_status.report` (which our launchers read)."""
+    from titan_dmuon.exit_status import register, report
+
+    register()  # under a launcher: its signals come to this process, not to torchrun
     cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
     if cfg.job.dry_run:
         return _dry_run(cfg)
+    return report(*_train(cfg))
+
+
+def _train(cfg) -> tuple[int, str | None]:
+    """(exit status, the one-line message to print for it, if not logged already)."""
     from titan_dmuon.parallel.failures import CommFailureError
+    from titan_dmuon.preemption import StopRequested
     from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
 
     set_up_logging()
@@ -30,21 +41,25 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
         trainer.train()
         graceful = True
-    except ConfigError as e:  # the same on every rank
+    except ConfigError as e:  # a launcher prints each distinct message once
         graceful = True
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return 2, f"config error: {e}"
+    except StopRequested as e:  # a stop signal: every rank stopped after the same step, saved
+        graceful = True
+        if trainer.rank == 0:
+            logger.warning("%s", e)
+        return e.exit_code, None
     except TrainingDivergedError as e:  # every rank stops at the same step
         graceful = True
         logger.error("%s", e)  # every rank logs it (ERROR passes the non-zero ranks' WARNING level)
-        return 1
+        return 1, None
     except CommFailureError as e:  # a peer died or hung: say who saw it and whom the heartbeat names, no traceback
         logger.error("%s", e)
-        return 1  # torchrun stops this node's other ranks, srun --kill-on-bad-exit=1 the other nodes
+        return 1, None  # torchrun stops this node's other ranks, srun --kill-on-bad-exit=1 the other nodes
     finally:  # anything else propagates (traceback, exit 1; torchrun stops the other ranks)
         if trainer is not None:
             trainer.close(graceful=graceful)
-    return 0
+    return 0, None
 
 
 def _dry_run(cfg) -> int:

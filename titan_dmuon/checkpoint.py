@@ -249,6 +249,8 @@ class CheckpointManager:
         # rank 0's absolute path: a relative dump folder means the same folder on every rank, whatever its cwd
         self.folder = Path(self._broadcast_object(str((Path(cfg.job.dump_folder) / self.c.folder).resolve())))
         self.loaded_step: int | None = None
+        self.saved_step: int | None = None  # the step of the last save this run started (or found already saved)
+        self.saved_model_only = False
         self._tokens_seen = 0
         self._pending: Future | None = None  # the async save in flight, done once committed
         self._pg = None
@@ -314,6 +316,17 @@ class CheckpointManager:
         if (step % self.c.interval == 0 or last) and step != self.loaded_step:
             self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only)
 
+    def save_for_stop(self, step: int, tokens_seen: int) -> bool:
+        """A stop signal ended the run after `step`: make sure a full checkpoint of that step exists (save it unless
+        this step's periodic save already did), wait for it to be committed; whether one exists (not without
+        checkpoint.enable)."""
+        if not self.c.enable:
+            return False
+        if self.saved_step != step or self.saved_model_only:
+            self.save(step, tokens_seen)
+        self._finish_pending()
+        return self.saved_step == step
+
     def save(self, step: int, tokens_seen: int, model_only: bool = False) -> None:
         # A rank may wait in a save's collectives for a slower writer, and every rank for rank 0's commit
         # (fsync, rename, prune): bounded by checkpoint.timeout_seconds, not by comm.train_timeout_seconds.
@@ -340,6 +353,7 @@ class CheckpointManager:
         temp, error = self._broadcast_object((None if temp is None else str(temp), error))
         if error:
             raise CheckpointError(error)
+        self.saved_step, self.saved_model_only = step, model_only
         if temp is None:
             return
         temp = Path(temp)

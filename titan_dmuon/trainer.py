@@ -44,6 +44,7 @@ from titan_dmuon.parallel.process_group import (
     ranks_per_node,
     set_collective_timeout,
 )
+from titan_dmuon.preemption import StopRequested, StopSignals
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.step = 0
+        self.stop_signals = StopSignals()  # installed around the training loop
+        self.stop_agreed = False  # every rank saw a stop signal's flag after the last step
         self.tokens_seen = 0  # over all DP ranks
         self.checkpointer: CheckpointManager | None = None
         self._owns_process_group = False
@@ -305,7 +308,8 @@ class Trainer:
         """
         accum = self.cfg.training.gradient_accumulation_steps
         self.optimizer.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        # [the loss, whether this rank got a stop signal]: one all-reduce gives every rank both.
+        loss_sum = torch.zeros(2, dtype=torch.float32, device=self.device)
         ntokens = 0
         for i in range(accum):
             inputs, labels = next(data_iter)
@@ -314,14 +318,17 @@ class Trainer:
             with self.optim.no_sync() if i < accum - 1 else contextlib.nullcontext(), self._loss_parallel():
                 loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum[0] += loss.detach()
             ntokens += labels.numel()
         grad_norm = self.optim.clip_grad_norm_(self.max_norm)  # global: the same on every rank
-        # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks.
+        # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks. A stop signal is
+        # sampled here, on every rank after the same step (titan_dmuon/preemption.py).
+        loss_sum[1] = float(self.stop_signals.pending)
         dist.all_reduce(loss_sum)
-        loss_value, norm_value = torch.stack(
-            [loss_sum / self.world_size, grad_norm.detach().float().to(self.device)]
+        loss_value, norm_value, stops = torch.stack(
+            [loss_sum[0] / self.world_size, grad_norm.detach().float().to(self.device), loss_sum[1]]
         ).tolist()
+        self.stop_agreed = stops > 0
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDivergedError(
                 f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
@@ -369,6 +376,7 @@ class Trainer:
             t.gradient_accumulation_steps,
         )
         with (
+            self.stop_signals.installed(),
             maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler,
             maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot,
         ):
@@ -412,11 +420,23 @@ class Trainer:
                 if scalars:
                     self.metrics.log(self.step, scalars)
                 self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps)
+                if self.stop_agreed and self.step < t.steps:
+                    self._stop()
                 profiler.step()
                 snapshot.step()
                 if "loss/train" in scalars:  # logging, validation and trace export are not training time
                     interval_start = time.perf_counter()
         logger.info("Training done: %d steps", self.step)
+
+    def _stop(self) -> None:
+        """Every rank saw a stop signal's flag after this step: save a checkpoint of it (waiting for the save, and
+        for any async save in flight, to be committed) and raise StopRequested (train.py's exit code says so)."""
+        # Which signal: the one the ranks that got one got (the largest number, if they differ), the same on every
+        # rank, for one exit code across the job.
+        signum = torch.tensor([self.stop_signals.received or 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        saved = self.checkpointer.save_for_stop(self.step, self.tokens_seen)
+        raise StopRequested(int(signum.item()), self.step, saved)
 
     def close(self, graceful: bool = True) -> None:
         """Close the optimizer component and the metrics writer, and destroy the process group this trainer

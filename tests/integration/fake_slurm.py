@@ -1,4 +1,5 @@
-"""Stand-ins for SLURM's `srun` and `scontrol`, so the real scripts/multinode_trainer.slurm runs on one machine.
+"""Stand-ins for SLURM's `srun` and `scontrol`, so the real scripts/multinode_trainer.slurm runs on one machine
+(`scontrol requeue JOBID` appends JOBID to the file $FAKE_SLURM_REQUEUED names).
 
 `install(bin_dir)` writes two executables that call this file. The fake allocation is the environment a batch
 script sees (SLURM_JOB_ID, SLURM_NNODES, SLURM_JOB_NODELIST = "node[0-1]", ...); `srun CMD` starts CMD once per
@@ -49,8 +50,15 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def scontrol(argv: list[str]) -> int:
+    if argv[:1] == ["requeue"] and len(argv) == 2:  # recorded in $FAKE_SLURM_REQUEUED for the test to read
+        with open(os.environ["FAKE_SLURM_REQUEUED"], "a") as f:
+            f.write(f"{argv[1]}\n")
+        return 0
     if argv[:2] != ["show", "hostnames"] or len(argv) != 3:
-        print(f"fake scontrol: only `show hostnames LIST` is implemented, got {argv}", file=sys.stderr)
+        print(
+            f"fake scontrol: only `show hostnames LIST` and `requeue JOBID` are implemented, got {argv}",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(expand_nodelist(argv[2])))
     return 0
@@ -105,11 +113,13 @@ def _parse_srun(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             key, value = arg.split("=", 1)
         elif arg in ("-K", "--kill-on-bad-exit"):
             key, value = "--kill-on-bad-exit", "1"
+        elif arg == "--overlap":  # a step beside the running one (one task per node, as every step here)
+            key, value = arg, "1"
         else:
             key, value = arg, argv[i + 1]
             i += 1
         key = {"-K": "--kill-on-bad-exit", "-N": "--nodes", "-n": "--ntasks", "-w": "--nodelist"}.get(key, key)
-        if key not in ("--kill-on-bad-exit", "--nodes", "--ntasks", "--nodelist"):
+        if key not in ("--kill-on-bad-exit", "--nodes", "--ntasks", "--nodelist", "--overlap", "--ntasks-per-node"):
             raise SystemExit(f"fake srun: option {key} is not implemented")
         opts[key] = value
         i += 1

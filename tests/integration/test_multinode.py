@@ -209,6 +209,48 @@ def test_slurm_dead_or_hung_rank_ends_the_job(tmp_path, how) -> None:
     print("".join(line for line in job.lines if re.search(r"on host|exitcode|rank\s+:|fake srun", line)))
 
 
+@pytest.mark.slow
+def test_slurm_usr1_before_the_time_limit_stops_saves_and_requeues(tmp_path) -> None:
+    """SLURM's warning signal (USR1, `--signal=B:USR1@120`) to the batch script mid-run: the ranks of both nodes stop
+    after the same step and save it, the job exits 138 and requeues itself; the requeued job (the same script run
+    again) resumes at the next step, finishes, exits 0 and does not requeue. A config error is one message, exit 2."""
+    requeued = tmp_path / "requeued"
+    env = {"FAKE_SLURM_REQUEUED": str(requeued)}
+    args = COMMON + ["--training.steps", "30", "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    args += ["--comm.heartbeat_seconds", "0", "--job.dump_folder", str(tmp_path / "out")]
+    job = SlurmJob(tmp_path, args, env)
+    try:
+        job.wait_for(r"step:\s+3/", timeout=120)
+        job.proc.send_signal(signal.SIGUSR1)
+        code = job.wait(timeout=120)
+    finally:
+        job.kill()
+    out = job.output
+    assert code == 138, out[-6000:]
+    assert "Traceback" not in out, out[-6000:]
+    (line,) = [ln for ln in out.splitlines() if "stopped by SIGUSR1 after step" in ln]
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert [p.name for p in (tmp_path / "out" / "checkpoint").iterdir()] == [f"step-{step}"]
+    assert requeued.read_text().split() == [job.env["SLURM_JOB_ID"]], out[-3000:]
+
+    again = SlurmJob(tmp_path, args, env)
+    try:
+        assert again.wait(timeout=180) == 0, again.tail()
+    finally:
+        again.kill()
+    first = re.search(r"step:\s+(\d+)/", again.output)
+    assert first and int(first[1]) == step + 1, again.tail()  # resumed, not restarted
+    assert requeued.read_text().split() == [job.env["SLURM_JOB_ID"]]  # once
+
+    bad = SlurmJob(tmp_path, [*COMMON, "--training.stepz", "5"], env)
+    try:
+        assert bad.wait(timeout=120) == 2, bad.tail()
+    finally:
+        bad.kill()
+    assert bad.output.count("Unrecognized options: --training.stepz") == 1, bad.tail()
+    assert "Traceback" not in bad.output, bad.tail()
+
+
 def test_dry_run_prints_the_node_layout_of_the_real_run() -> None:
     """The planner, for 2 nodes x 2 GPUs, prints the layout the SLURM run above logs (node names node0, node1)."""
     proc = subprocess.run(

@@ -6,8 +6,10 @@ or a wrong type in a config file fails at start-up with the file, the key and th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import os
 import re
@@ -451,9 +453,25 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 
 def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
-    """For entry points: a ConfigError prints `config error: ...` to stderr and exits with status 2."""
+    """For entry points: a ConfigError prints `config error: ...` to stderr and exits with status 2; so does tyro
+    for an unknown or malformed flag, with its own message. Under our launchers (titan_dmuon/exit_status.py) both
+    messages go to the launcher, which prints each distinct one once, instead of once per rank."""
+    from titan_dmuon.exit_status import ENV, report
+
+    captured = io.StringIO()
+    capture = bool(os.environ.get(ENV))
+    redirect = contextlib.ExitStack()
+    if capture:
+        redirect.enter_context(contextlib.redirect_stdout(captured))
+        redirect.enter_context(contextlib.redirect_stderr(captured))
     try:
-        return parse_args(argv)
+        with redirect:
+            return parse_args(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report(2, f"config error: {e}")) from None
+    except SystemExit as e:  # tyro: --help (0) or a bad flag (2), its text captured under a launcher
+        text = captured.getvalue()
+        if capture and e.code not in (0, None):
+            raise SystemExit(report(int(e.code), text.rstrip())) from None
+        print(text, end="")
+        raise
