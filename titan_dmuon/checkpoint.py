@@ -225,6 +225,30 @@ def _rss_mib() -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------- the manager
+def _memory_summary(rows: list[dict]) -> dict:
+    """The ranks' memory rows of one save or load as one record: [min, median, max] over the ranks of each figure,
+    the growth of each rank's peak over what it held before, and the largest growth beyond the rank's own share of
+    the state (what a save or load should cost at most)."""
+
+    def spread(values: list[float]) -> list[float]:
+        v = sorted(values)
+        return [round(v[0], 1), round(v[len(v) // 2], 1), round(v[-1], 1)]
+
+    growth = [r["peak_after_mib"] - max(r["peak_before_mib"], r["rss_before_mib"]) for r in rows]
+    beyond = [g - r["state_share_mib"] for g, r in zip(growth, rows, strict=True)]
+    worst = max(range(len(rows)), key=beyond.__getitem__)
+    return {
+        "what": rows[0]["what"],
+        "step": rows[0]["step"],
+        "ranks": len(rows),
+        "rss_before_mib": spread([r["rss_before_mib"] for r in rows]),
+        "peak_after_mib": spread([r["peak_after_mib"] for r in rows]),
+        "peak_growth_mib": spread(growth),
+        "state_share_mib": spread([r["state_share_mib"] for r in rows]),
+        "growth_beyond_share_mib": {"max": round(beyond[worst], 1), "rank": rows[worst]["rank"]},
+    }
+
+
 class CheckpointManager:
     """Saves and loads the run's state (module docstring); every rank calls every method at the same step."""
 
@@ -483,9 +507,8 @@ class CheckpointManager:
         if gather:
             rows = [None] * self.world_size
             dist.all_gather_object(rows, row)
-        if self.rank == 0:
-            for r in rows:
-                logger.info("checkpoint memory: %s", json.dumps(r))
+        if self.rank == 0:  # one line for the job, whatever its size (every rank's row stays in `self.memory`)
+            logger.info("checkpoint memory: %s", json.dumps(_memory_summary(rows)))
 
     # ------------------------------------------------------------------------------------------ loading
     def clean_temporaries(self) -> None:

@@ -385,3 +385,28 @@ def test_pinned_memory_stager_is_made_once_and_closed(tmp_path):
     from tests._dist import run_distributed
 
     assert run_distributed(_pinned_saves, 1, tmp_path) == [(1, True, [1, 2, 3])]
+
+
+def test_memory_rows_of_a_save_are_one_summary_line() -> None:
+    """1,024 ranks' rows are one log line: [min, median, max] of each figure and the worst growth beyond the rank's
+    own state share, naming the rank."""
+    from titan_dmuon.checkpoint import _memory_summary
+
+    rows = [
+        {
+            "what": "save",
+            "step": 7,
+            "rank": r,
+            "rss_before_mib": 100.0 + r,
+            "peak_before_mib": 100.0,
+            "peak_after_mib": 110.0 + r + (40 if r == 5 else 0),
+            "rss_after_mib": 105.0,
+            "state_share_mib": 8.0,
+        }
+        for r in range(1024)
+    ]
+    out = _memory_summary(rows)
+    assert out["ranks"] == 1024 and (out["what"], out["step"]) == ("save", 7)
+    assert out["rss_before_mib"] == [100.0, 612.0, 1123.0]
+    assert out["peak_growth_mib"] == [10.0, 10.0, 50.0]
+    assert out["growth_beyond_share_mib"] == {"max": 42.0, "rank": 5}
