@@ -123,3 +123,16 @@ def test_a_bad_flag_or_missing_dataset_is_one_message_and_exit_2(tmp_path) -> No
         assert rc == 2, f"exit {rc}\n{text[-3000:]}"
         assert text.count(needle) == 1, text[-3000:]
         assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
+
+
+def test_without_checkpoints_a_stop_says_nothing_was_saved(tmp_path) -> None:
+    dump, log = tmp_path / "run", tmp_path / "stopped.log"
+    argv = [*_argv(dump), "--checkpoint.enable", "false"]
+    proc = _launch(argv, log)
+    _wait_for_step(log, 3)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=240)
+    text = log.read_text()
+    assert rc == 143, f"exit {rc}\n{text[-4000:]}"
+    assert re.search(r"stopped by SIGTERM after step \d+; nothing saved", text), text[-4000:]
+    assert "Traceback" not in text and not (dump / "checkpoint").exists()
