@@ -2,7 +2,8 @@
 
     ckpt = CheckpointManager(cfg, optim, lr_scheduler, dataloader, ...)   # in the trainer, after the optimizer
     step, tokens_seen = ckpt.load()         # the newest complete checkpoint (or load_step, or initial_load_path)
-    ckpt.maybe_save(step, tokens_seen)      # after every step: saves every `interval` steps and at the last one
+    elapsed = ckpt.elapsed_s                # the training wall time saved with it (0.0 if none)
+    ckpt.maybe_save(step, tokens_seen, elapsed_s=elapsed + ...)  # after every step: every `interval` steps, the last
     ckpt.close()                            # waits for (and commits) an async save still in flight
 
 One checkpoint is the folder `<job.dump_folder>/<checkpoint.folder>/step-<N>/`: DCP's `.metadata` and data
@@ -13,7 +14,8 @@ files, plus `config.toml` (the resolved config, whose [model] table is compared 
     lr_scheduler  last_epoch (the schedule is a function of the config and of it)
     dataloader    the GLOBAL data position: step and every row's [unit, document, token] of the global batch,
                   gathered from the DP ranks, so that another DP size with the same global batch resumes it
-    train_state   step, tokens_seen
+    train_state   step, tokens_seen, elapsed_s (training wall time over the runs so far; a checkpoint saved
+                  before it was kept loads as 0.0)
     rng           per rank: torch (CPU, CUDA), Python and NumPy generator states; restored on the ranks that
                   existed when saving, the others keep their seeded state
 
@@ -276,6 +278,9 @@ class CheckpointManager:
         self.saved_step: int | None = None  # the step of the last save this run started (or found already saved)
         self.saved_model_only = False
         self._tokens_seen = 0
+        self.elapsed_s = 0.0
+        """The training wall time saved with the checkpoint `load` loaded (0.0 without one, for weights only, or
+        from a checkpoint saved before train_state.elapsed_s was kept)."""
         self._pending: Future | None = None  # the async save in flight, done once committed
         self._pg = None
         if self.c.enable and self.c.async_mode != "disabled":
@@ -316,10 +321,14 @@ class CheckpointManager:
             raise RuntimeError("the data loader position misses rows of the global batch")
         return {"step": torch.tensor(pos["step"]), "rows": table}
 
-    def _state_dict(self, step: int, tokens_seen: int, model_only: bool) -> dict[str, Any]:
+    def _state_dict(self, step: int, tokens_seen: int, model_only: bool, elapsed_s: float = 0.0) -> dict[str, Any]:
         sd: dict[str, Any] = {
             "model": self.optim.model_state_dict(),
-            "train_state": {"step": torch.tensor(step), "tokens_seen": torch.tensor(tokens_seen)},
+            "train_state": {
+                "step": torch.tensor(step),
+                "tokens_seen": torch.tensor(tokens_seen),
+                "elapsed_s": torch.tensor(elapsed_s, dtype=torch.float64),
+            },
         }
         if model_only:
             dtype = _EXPORT_DTYPES[self.c.export_dtype]
@@ -332,32 +341,33 @@ class CheckpointManager:
         return sd
 
     # ------------------------------------------------------------------------------------------- saving
-    def maybe_save(self, step: int, tokens_seen: int, last: bool = False) -> None:
-        """After step `step`: commit a finished async save; save every `interval` steps and at the last step."""
+    def maybe_save(self, step: int, tokens_seen: int, last: bool = False, elapsed_s: float = 0.0) -> None:
+        """After step `step`: commit a finished async save; save every `interval` steps and at the last step
+        (`elapsed_s`: the training wall time so far, kept in the train state)."""
         if not self.c.enable:
             return
         self._poll()
         if (step % self.c.interval == 0 or last) and step != self.loaded_step:
-            self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only)
+            self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only, elapsed_s=elapsed_s)
 
-    def save_for_stop(self, step: int, tokens_seen: int) -> bool:
+    def save_for_stop(self, step: int, tokens_seen: int, elapsed_s: float = 0.0) -> bool:
         """A stop signal ended the run after `step`: make sure a full checkpoint of that step exists (save it unless
         this step's periodic save already did), wait for it to be committed; whether one exists (not without
         checkpoint.enable)."""
         if not self.c.enable:
             return False
         if self.saved_step != step or self.saved_model_only:
-            self.save(step, tokens_seen)
+            self.save(step, tokens_seen, elapsed_s=elapsed_s)
         self._finish_pending()
         return self.saved_step == step
 
-    def save(self, step: int, tokens_seen: int, model_only: bool = False) -> None:
+    def save(self, step: int, tokens_seen: int, model_only: bool = False, elapsed_s: float = 0.0) -> None:
         # A rank may wait in a save's collectives for a slower writer, and every rank for rank 0's commit
         # (fsync, rename, prune): bounded by checkpoint.timeout_seconds, not by comm.train_timeout_seconds.
         with raised_collective_timeout(self.c.timeout_seconds):
-            self._save(step, tokens_seen, model_only)
+            self._save(step, tokens_seen, model_only, elapsed_s)
 
-    def _save(self, step: int, tokens_seen: int, model_only: bool) -> None:
+    def _save(self, step: int, tokens_seen: int, model_only: bool, elapsed_s: float = 0.0) -> None:
         self._finish_pending()
         final = self.folder / f"step-{step}"
         temp, error = None, None
@@ -386,7 +396,7 @@ class CheckpointManager:
             self._shared_checked = True
         rss_before, peak_before = _rss_mib()
         t0 = time.perf_counter()
-        state = self._state_dict(step, tokens_seen, model_only)
+        state = self._state_dict(step, tokens_seen, model_only, elapsed_s)
         share = _local_bytes(state)
         writer = FileSystemWriter(temp, sync_files=True)
         if self._pg is None:
@@ -590,6 +600,7 @@ class CheckpointManager:
         step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False)
         if self.c.initial_load_model_only:
             logger.info("checkpoint: started from the model weights of %s", path)
+            self.elapsed_s = 0.0
             return 0, 0
         return step, self._tokens_seen
 
@@ -675,6 +686,7 @@ class CheckpointManager:
         self.optim.load_model_state_dict(state["model"])
         step = int(state["train_state"]["step"]) if "train_state" in state else 0
         self._tokens_seen = int(state["train_state"]["tokens_seen"]) if "train_state" in state else 0
+        self.elapsed_s = float(state.get("train_state", {}).get("elapsed_s", 0.0))  # absent in older checkpoints
         if not model_only:
             self.optim.load_state_dict(state["optimizer"])
             self._load_lr_scheduler(int(state["lr_scheduler"]["last_epoch"]))
@@ -692,6 +704,8 @@ class CheckpointManager:
         state: dict[str, Any] = {"model": self.optim.model_state_dict()}
         if "train_state.step" in saved:
             state["train_state"] = {"step": torch.tensor(0), "tokens_seen": torch.tensor(0)}
+            if "train_state.elapsed_s" in saved:  # older checkpoints have no elapsed_s: it starts from 0
+                state["train_state"]["elapsed_s"] = torch.tensor(0.0, dtype=torch.float64)
         if model_only:
             return state
         state["optimizer"] = self.optim.state_dict()

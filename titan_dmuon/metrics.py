@@ -1,19 +1,22 @@
 """Training metrics: one console line and TensorBoard scalars (and text), written by rank 0 only.
 
 Scalar names are TensorBoard tags ("loss/train", "grad_norm", "lr/muon", "lr/adamw", "progress/tokens_seen",
-"progress/elapsed_s", "throughput/tokens_per_sec", "mfu", "throughput/tflops", "memory/...", and the optimizer
-component's own, e.g. "dmuon/..."); the console line picks the common ones it knows.
+"progress/elapsed_s", "throughput/tokens_per_sec" (per rank), "throughput/tokens_per_sec_global", "mfu",
+"throughput/tflops", "memory/...", and the optimizer component's own, e.g. "dmuon/..." (max over ranks) and
+"dmuon_mean/..." (mean over ranks)); the console line picks the common ones it knows.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from titan_dmuon.config import Metrics as MetricsConfig
 
@@ -62,12 +65,16 @@ def get_peak_flops(device: torch.device | str) -> float | None:
 
 
 def throughput_metrics(
-    tokens: int, seconds: float, flops_per_token: int, peak_flops: float | None = None
+    tokens: float, seconds: float, flops_per_token: int, peak_flops: float | None = None, ranks: int = 1
 ) -> dict[str, float]:
-    """Tokens/s and achieved TFLOP/s for `tokens` processed in `seconds` on one rank; MFU (%) when the
-    device's peak is known."""
+    """Tokens/s and achieved TFLOP/s for `tokens` processed in `seconds` on one rank (device); the global
+    tokens/s of `ranks` ranks that each process as many; MFU (%) when the device's peak is known."""
     tps = tokens / seconds
-    out = {"throughput/tokens_per_sec": tps, "throughput/tflops": tps * flops_per_token / 1e12}
+    out = {
+        "throughput/tokens_per_sec": tps,
+        "throughput/tokens_per_sec_global": tps * ranks,
+        "throughput/tflops": tps * flops_per_token / 1e12,
+    }
     if peak_flops:
         out["mfu"] = 100.0 * tps * flops_per_token / peak_flops
     return out
@@ -101,11 +108,44 @@ def device_memory_stats(device: torch.device | str, reset_peak: bool = False) ->
     return stats
 
 
+def max_and_mean_over_ranks(
+    values: dict[str, float],
+    keys: Sequence[str],
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each of `keys` over the ranks of `group` (default: all): (max, mean), from ONE all_gather of a
+    [len(keys)] float64 vector. A key missing from `values` on a rank (NaN there) counts over the ranks that
+    have it, and is left out of both dicts when no rank has it. Every rank of `group` must call this with the
+    same `keys`, in the same order; one rank (or no process group) needs no collective."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        present = {k: float(values[k]) for k in keys if k in values}
+        return present, dict(present)
+    local = torch.tensor([float(values.get(k, math.nan)) for k in keys], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, local, group=group)
+    table = torch.stack(rows).cpu()  # [ranks, keys]
+    have = ~torch.isnan(table)
+    counts = have.sum(0)
+    maxes = torch.where(have, table, -math.inf).amax(0)
+    means = torch.where(have, table, 0.0).sum(0) / counts.clamp(min=1)
+    out_max, out_mean = {}, {}
+    for i, key in enumerate(keys):
+        if counts[i] > 0:
+            out_max[key], out_mean[key] = float(maxes[i]), float(means[i])
+    return out_max, out_mean
+
+
 class MetricsLogger:
     """Console (logging) + TensorBoard on rank 0; on other ranks every call is a no-op.
 
     ETA comes from the wall time between the first and the latest `log` call, so the first steps
     (compilation, warmup) do not skew it.
+
+    `purge_step`: the first step this run logs (the resumed step + 1). The TensorBoard folder may hold events at
+    or past it from an earlier run (one killed after logging steps it never saved, or resumed from an older
+    checkpoint): the writer marks a restart there (SummaryWriter's `purge_step`), so TensorBoard drops them and
+    every step shows once, with the value of the run that last computed it.
     """
 
     def __init__(
@@ -115,6 +155,7 @@ class MetricsLogger:
         rank: int = 0,
         total_steps: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        purge_step: int | None = None,
     ) -> None:
         self.enabled = rank == 0
         self.total_steps = total_steps
@@ -126,7 +167,7 @@ class MetricsLogger:
 
             self.log_dir = os.path.join(dump_folder, cfg.save_tb_folder)
             os.makedirs(self.log_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=self.log_dir)
+            self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
             logger.info("TensorBoard events in %s", self.log_dir)
 
     def _eta_seconds(self, step: int) -> float | None:
@@ -159,16 +200,19 @@ class MetricsLogger:
     def format_line(
         step: int, scalars: dict[str, float], eta_s: float | None = None, total_steps: int | None = None
     ) -> str:
-        """`step:  5/30  loss: 2.3456  grad_norm: 1.2346  lr_muon: 1.00e-02  lr_adamw: 3.00e-03  tps: 12,345 ...`.
+        """`step:  5/30  loss: 2.3456  grad_norm: 1.2346  lr_muon: 1.00e-02  lr_adamw: 3.00e-03  tps/rank: 12,345
+        tokens/s: 98,760 ...`.
 
-        Each `lr/<kind>` scalar shows as `lr_<kind>`, in the order given."""
+        Each `lr/<kind>` scalar shows as `lr_<kind>`, in the order given. `tps/rank` is one rank's (device's)
+        tokens per second, `tokens/s` all ranks' together."""
         parts = [f"step: {step:>4}" + (f"/{total_steps}" if total_steps is not None else "")]
         lrs = [(key, key.replace("/", "_")) for key in scalars if key == "lr" or key.startswith("lr/")]
         fmt = [
             ("loss/train", "loss", "{:.4f}"),
             ("grad_norm", "grad_norm", "{:.4f}"),
             *[(key, label, "{:.2e}") for key, label in lrs],
-            ("throughput/tokens_per_sec", "tps", "{:,.0f}"),
+            ("throughput/tokens_per_sec", "tps/rank", "{:,.0f}"),
+            ("throughput/tokens_per_sec_global", "tokens/s", "{:,.0f}"),
             ("progress/tokens_seen", "tokens", "{:,.0f}"),
             ("mfu", "mfu", "{:.2f}%"),
             ("throughput/tflops", "tflops", "{:.3f}"),

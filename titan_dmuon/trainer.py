@@ -1,8 +1,8 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
     trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
-    try:                     # data, meta model, parallelize, materialize, optimizer, lr, metrics, checkpoint (loads
-        trainer.train()      # the newest complete one: the run resumes)  (profiler: train())
+    try:                     # data, meta model, parallelize, materialize, optimizer, lr, checkpoint (loads the
+        trainer.train()      # newest complete one: the run resumes), metrics  (profiler: train())
     finally:
         trainer.close()      # a checkpoint in flight, optimizer component, metrics, process group
 
@@ -61,6 +61,8 @@ class Trainer:
         self.stop_signals = StopSignals()  # installed around the training loop
         self.stop_agreed = False  # every rank saw a stop signal's flag after the last step
         self.tokens_seen = 0  # over all DP ranks
+        self.elapsed_before = 0.0  # training wall time of the runs this one resumes (from the checkpoint)
+        self._train_start: float | None = None  # when this run's training loop started (perf_counter)
         self.checkpointer: CheckpointManager | None = None
         self._owns_process_group = False
         self.metrics: MetricsLogger | None = None
@@ -157,10 +159,7 @@ class Trainer:
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optim.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        # 10. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them.
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps)
-        if self.rank == 0:
-            self._save_config()
+        # 10. MFU's peak and the clipping norm.
         self.peak_flops = get_peak_flops(self.device)
         self.max_norm = t.max_norm if t.max_norm > 0 else math.inf
         # 11. Checkpoints: resume from the newest complete one in the folder (or checkpoint.load_step, or start
@@ -177,8 +176,17 @@ class Trainer:
             seed=self.seed,
         )
         self.step, self.tokens_seen = self.checkpointer.load()
+        self.elapsed_before = self.checkpointer.elapsed_s
         if self.step:
             logger.info("Resumed at step %d (%s tokens seen)", self.step, f"{self.tokens_seen:,}")
+        # 12. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them. The first
+        #     step this run logs is step + 1: TensorBoard drops the events an earlier run left there or past it
+        #     (killed after logging steps it never saved), so each step shows once, with this run's value.
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps, purge_step=self.step + 1
+        )
+        if self.rank == 0:
+            self._save_config()
 
     # ------------------------------------------------------------------------------------------- setup
     def _init_device(self) -> torch.device:
@@ -380,8 +388,8 @@ class Trainer:
             maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as profiler,
             maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.step, self.rank) as snapshot,
         ):
-            train_start = time.perf_counter()
-            interval_start, interval_tokens = train_start, 0
+            self._train_start = time.perf_counter()
+            interval_start, interval_tokens = self._train_start, 0
             first_step = True  # of this process (a resumed run starts past step 1)
             while self.step < t.steps:
                 self.step += 1
@@ -400,18 +408,20 @@ class Trainer:
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
                     now = time.perf_counter()
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})
-                    scalars.update({"progress/tokens_seen": self.tokens_seen, "progress/elapsed_s": now - train_start})
-                    # Per device: TP ranks process the same tokens.
+                    scalars["progress/tokens_seen"] = self.tokens_seen
+                    scalars["progress/elapsed_s"] = self.elapsed_s(now)  # across resumes
+                    # Per device (TP ranks process the same tokens), and over all of them (the DP ranks' tokens).
                     scalars.update(
                         throughput_metrics(
                             interval_tokens / self.dims.non_dp_size,
                             now - interval_start,
                             self.flops_per_token,
                             self.peak_flops,
+                            ranks=self.world_size,
                         )
                     )
                     scalars.update(device_memory_stats(self.device))
-                    scalars.update(self.optim.step_stats())
+                    scalars.update(self.optim.step_stats())  # over ranks: one small collective, log steps only
                     interval_tokens = 0
                 if self.val_dataloader is not None and self.step % cfg.validation.freq == 0:
                     val_start = time.perf_counter()
@@ -419,7 +429,9 @@ class Trainer:
                     interval_start += time.perf_counter() - val_start  # validation is not training time
                 if scalars:
                     self.metrics.log(self.step, scalars)
-                self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps)
+                self.checkpointer.maybe_save(
+                    self.step, self.tokens_seen, last=self.step == t.steps, elapsed_s=self.elapsed_s()
+                )
                 if self.stop_agreed and self.step < t.steps:
                     self._stop()
                 profiler.step()
@@ -428,6 +440,13 @@ class Trainer:
                     interval_start = time.perf_counter()
         logger.info("Training done: %d steps", self.step)
 
+    def elapsed_s(self, now: float | None = None) -> float:
+        """Training wall time so far, across resumes: the earlier runs' (saved in the checkpoint's train state)
+        plus this run's training loop (set-up excluded)."""
+        if self._train_start is None:
+            return self.elapsed_before
+        return self.elapsed_before + ((time.perf_counter() if now is None else now) - self._train_start)
+
     def _stop(self) -> None:
         """Every rank saw a stop signal's flag after this step: save a checkpoint of it (waiting for the save, and
         for any async save in flight, to be committed) and raise StopRequested (train.py's exit code says so)."""
@@ -435,7 +454,7 @@ class Trainer:
         # rank, for one exit code across the job.
         signum = torch.tensor([self.stop_signals.received or 0], dtype=torch.int64, device=self.device)
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        saved = self.checkpointer.save_for_stop(self.step, self.tokens_seen)
+        saved = self.checkpointer.save_for_stop(self.step, self.tokens_seen, elapsed_s=self.elapsed_s())
         raise StopRequested(int(signum.item()), self.step, saved)
 
     def close(self, graceful: bool = True) -> None:

@@ -199,7 +199,9 @@ def test_exact_resume(runs, layout, tmp_path):
     assert sorted(got) == sorted(want)
     assert any(k.startswith("model.") for k in got) and any(k.startswith("optimizer.state.") for k in got)
     for key in want:
-        if key.startswith(("model.", "optimizer.", "lr_scheduler.", "dataloader.", "train_state.")):
+        if key == "train_state.elapsed_s":  # wall time: it continues from the step-5 checkpoint's
+            assert got[key].item() >= read_checkpoint(tmp_path / "checkpoint" / "step-5")[key].item() > 0
+        elif key.startswith(("model.", "optimizer.", "lr_scheduler.", "dataloader.", "train_state.")):
             assert torch.equal(got[key], want[key]), f"{key} differs after the resume"
     if layout == "fsdp4":
         runs.procs["fsdp4-resumed"] = proc
@@ -259,6 +261,62 @@ def test_kill_during_async_save_resumes_from_the_newest_complete(runs, tmp_path)
     )
     assert checkpoints(tmp_path) == [f"step-{STEPS}", f"step-{STEPS - 1}"]
     assert [p.name for p in folder.iterdir() if ".tmp-" in p.name or ".deleting-" in p.name] == []
+
+
+def scalar_events(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every (step, value) TensorBoard shows per tag, in order: duplicates kept (read_scalars' dicts hide them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def _with_elapsed(src: Path, dst: Path, elapsed_s: float) -> None:
+    """src (a full checkpoint) as dst, but for its train_state.elapsed_s, rewritten through a torch.save file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    dcp_to_torch_save(src, dst.parent / "whole.pt")
+    sd = torch.load(dst.parent / "whole.pt", weights_only=False)
+    sd["train_state"]["elapsed_s"] = torch.tensor(elapsed_s, dtype=torch.float64)
+    torch.save(sd, dst.parent / "whole.pt")
+    torch_save_to_dcp(dst.parent / "whole.pt", dst)
+    (dst.parent / "whole.pt").unlink()
+    shutil.copy(src / "config.toml", dst / "config.toml")
+
+
+def test_rerun_in_the_same_folder_logs_each_step_once_and_elapsed_time_goes_on(runs, tmp_path):
+    """The 1-process straight run as if killed after logging steps 6-10 whose checkpoint never completed (its
+    TensorBoard folder and only its step-5 checkpoint, saved after 1 h of training), rerun in that folder for 12
+    steps (another lr schedule from step 6): TensorBoard shows each step 1-12 once, steps 1-5 with the first run's
+    values and 6-12 with the rerun's; the elapsed time goes on from the checkpoint's hour, in TensorBoard, on the
+    console and in the rerun's checkpoints."""
+    straight = runs.straight("1proc")
+    dump = tmp_path / "run"
+    shutil.copytree(straight / "tb", dump / "tb")
+    (dump / "checkpoint").mkdir()
+    _with_elapsed(straight / "checkpoint" / "step-5", dump / "checkpoint" / "step-5", 3600.0)
+    out = _ok(launch("1proc", dump, "--training.steps", "12"))
+    text = out.stdout + out.stderr
+    assert "Resumed at step 5" in text
+
+    events, first = scalar_events(dump / "tb"), read_scalars(straight / "tb")
+    for tag in ("loss/train", "lr/muon", "progress/elapsed_s", "throughput/tokens_per_sec_global"):
+        assert [step for step, _ in events[tag]] == list(range(1, 13)), f"{tag}: {events[tag]}"
+    lr = dict(events["lr/muon"])
+    assert all(lr[s] == first["lr/muon"][s] for s in range(1, 6))
+    console_lr = {int(s): float(v) for s, v in re.findall(r"step:\s+(\d+)/12\s.*?lr_muon: (\S+)", text)}
+    assert sorted(console_lr) == list(range(6, 13))
+    for s in range(6, 11):  # the rerun's 12-step schedule (3 digits on the console), not the first run's 10-step one
+        assert abs(lr[s] - console_lr[s]) <= 0.01 * lr[s] < 0.1 * abs(lr[s] - first["lr/muon"][s]), s
+
+    elapsed = [value for _, value in events["progress/elapsed_s"]]
+    assert elapsed[:5] == [first["progress/elapsed_s"][s] for s in range(1, 6)] and elapsed[4] < 60
+    assert 3600 <= elapsed[5] <= elapsed[-1] < 3600 + 300 and elapsed == sorted(elapsed)
+    assert re.search(r"step:\s+6/12\s.*elapsed: 1:0\d:\d\d", text), text[-3000:]
+    assert checkpoints(dump) == ["step-10", "step-12"]
+    saved = read_checkpoint(dump / "checkpoint" / "step-12")["train_state.elapsed_s"].item()
+    assert elapsed[-1] <= saved < 3600 + 300
 
 
 def _descendants(pid: int) -> list[int]:

@@ -37,7 +37,8 @@ def _case(name: str, d: Path) -> tuple[list[str], list[str], dict[str, str]]:
         return [*jsonl, str(d / "empty.jsonl")], [str(d / "empty.jsonl"), "empty"], {}
     if name == "bad-jsonl-line":
         (d / "bad.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n{"text": two}\n{"text": "four"}\n')
-        return [*jsonl, str(d)], [f"{d / 'bad.jsonl'}:4: not valid JSON", "fix or delete that line"], {}
+        expected = [f"{d / 'bad.jsonl'}:4: not valid JSON at line 4, column 10", "Expecting value", "fix or delete"]
+        return [*jsonl, str(d)], expected, {}
     if name == "missing-field":
         (d / "a.jsonl").write_text('{"content": "one"}\n')
         return [*jsonl, str(d / "a.jsonl")], [f"{d / 'a.jsonl'}:1: no field 'text'", "'content'"], {}

@@ -160,6 +160,7 @@ def test_single_process_dmuon(reference, tmp_path_factory) -> None:
         "progress/tokens_seen",
         "progress/elapsed_s",
         "throughput/tokens_per_sec",
+        "throughput/tokens_per_sec_global",
         "throughput/tflops",
         "memory/rss_gib",
         "dmuon/ns_calls",
@@ -171,6 +172,8 @@ def test_single_process_dmuon(reference, tmp_path_factory) -> None:
     # One process: every one of the 14 block matrices is owned here, and nothing moves (so no byte series).
     assert set(reference["dmuon/ns_calls"].values()) == {14.0}
     assert byte_kinds(reference) == set()
+    assert not any(tag.startswith("dmuon_mean/") for tag in tags)  # one rank: the max is the figure
+    assert reference["throughput/tokens_per_sec_global"] == reference["throughput/tokens_per_sec"]
     # Warmup (5 steps) from (step+1)/6 of the configured lrs (Muon 0.01, AdamW 3e-3).
     assert reference["lr/muon"][1] == pytest.approx(0.01 / 6)
     assert reference["lr/adamw"][5] == pytest.approx(3e-3 * 5 / 6)
@@ -226,7 +229,10 @@ def test_fsdp_4_ranks_matches_single_process(dmuon_4_ranks, reference) -> None:
     assert_same_run(s, reference)
     assert byte_kinds(s) == {"broadcast", "reduce"}  # 1D: the replicate and TP kinds are not logged
     assert dmuon_total(s, "bytes_broadcast") > 0 and dmuon_total(s, "bytes_reduce") > 0
-    assert max(s["dmuon/ns_calls"].values()) < 14  # rank 0 owns only its share of the matrices
+    assert max(s["dmuon/ns_calls"].values()) < 14  # the busiest rank owns only its share of the matrices
+    assert set(s["dmuon_mean/ns_calls"].values()) == {14 / 4}  # over the 4 ranks: each matrix once
+    for step, tps in s["throughput/tokens_per_sec"].items():  # per rank, and the 4 ranks' together
+        assert s["throughput/tokens_per_sec_global"][step] == pytest.approx(4 * tps, rel=1e-6)
 
 
 @pytest.mark.slow

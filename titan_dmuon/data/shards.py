@@ -119,11 +119,29 @@ def read_manifest(folder: str) -> dict[str, Any]:
     return manifest
 
 
+def moved_document(manifest: dict[str, Any]) -> tuple[str, str] | None:
+    """``(from, to)`` when the last document of split ``from`` belongs to split ``to``: prepare_data.py splits by
+    the text hash alone, which on a small corpus can hold out none of the documents (49 at --val-fraction 0.02:
+    37% of corpora) or all of them. A ``val_fraction`` in (0, 1) holds out at least one of two or more documents
+    and never all, so then the last document of the other split changes side (chosen from the manifest alone:
+    the same on every rank, and no second tokenization). None when the split is as prepared."""
+    fraction = manifest.get("val_fraction")
+    count = {split: manifest["splits"].get(split, {}).get("documents", 0) for split in SPLITS}
+    if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        return None
+    if count["val"] == 0 and count["train"] >= 2:
+        return ("train", "val")
+    if count["train"] == 0 and count["val"] >= 1:
+        return ("val", "train")
+    return None
+
+
 class TokenSource:
     """The documents of some splits of a prepare_data folder; a unit is one document, read by memory map.
 
     Only the manifest is read up front (and each shard's size checked with ``os.stat``); a document's shard
-    is found by bisecting the per-shard document counts.
+    is found by bisecting the per-shard document counts. When the prepared split holds out none or all of the
+    documents, one document changes side (``moved_document``), for this source as for every other.
     """
 
     def __init__(self, folder: str, splits: tuple[str, ...] = ("train",)):
@@ -131,18 +149,44 @@ class TokenSource:
         self.manifest = read_manifest(folder)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.shards: list[str] = []
+        self._first: list[int] = []  # the first document of each shard this source reads
         counts = []
         for split in splits:
             entry = self.manifest["splits"].get(split, {"documents": 0, "shards": []})
             for shard in entry["shards"]:
                 self._check_files(shard)
                 self.shards.append(shard["name"])
+                self._first.append(0)
                 counts.append(shard["documents"])
-        self.doc_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.tokens = sum(self.manifest["splits"].get(s, {}).get("tokens", 0) for s in splits)
-        self.description = f"{folder} ({'+'.join(splits)}: {len(self)} documents, {self.tokens} tokens)"
+        note = ""
+        moved = moved_document(self.manifest)
+        if moved is not None and (moved[0] in splits) != (moved[1] in splits):
+            source, _ = moved
+            last = self.manifest["splits"][source]["shards"][-1]
+            self._check_files(last)
+            idx = os.path.join(folder, last["name"] + ".idx")
+            begin, end = np.fromfile(idx, dtype=np.int64, count=2, offset=8 * (last["documents"] - 1))
+            length = int(end - begin)
+            if source in splits:  # the last document (of the last shard) leaves
+                counts[self.shards.index(last["name"])] -= 1
+                self.tokens -= length
+                note = f", less its last document, held out for the {moved[1]} split"
+            else:
+                self.shards.append(last["name"])
+                self._first.append(last["documents"] - 1)
+                counts.append(1)
+                self.tokens += length
+                note = f", plus the last {source} document, as the prepared {moved[1]} split is empty"
+        self.doc_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.description = f"{folder} ({'+'.join(splits)}{note}: {len(self)} documents, {self.tokens} tokens)"
         if len(self) == 0:
             fraction = self.manifest.get("val_fraction")
+            if self.manifest.get("documents") == 1 and splits == ("val",):
+                raise DataError(
+                    f"{folder}: the val split has no documents: one document cannot be split (it stays in the train "
+                    f"split; prepared with --val-fraction {fraction}); add documents, or set validation.dataset"
+                )
             raise DataError(
                 f"{folder}: the {'/'.join(splits)} split has no documents (prepared with --val-fraction {fraction}); "
                 "re-run prepare_data.py with a val fraction that holds some out, or set validation.dataset"
@@ -181,7 +225,7 @@ class TokenSource:
         """Document ``u``'s tokens (a view into the memory map)."""
         s = int(np.searchsorted(self.doc_starts, u, side="right")) - 1
         offsets, tokens = self._shard(s)
-        d = u - int(self.doc_starts[s])
+        d = self._first[s] + u - int(self.doc_starts[s])
         return [tokens[int(offsets[d]) : int(offsets[d + 1])]]
 
     def check_tokenizer(self, tokenizer) -> None:

@@ -6,7 +6,10 @@ group. ``texts(u)`` returns the documents that start in unit ``u``, so a rank re
 and nothing holds an index of every document: a JSONL or text file is cut into byte ranges, and a range owns
 the lines (or paragraphs) that start inside it. A document is held out for validation when the CRC32 of its
 text falls in the lowest ``val_fraction`` of the hash range: stable whichever file or position it comes
-from, duplicates on the same side, and the same rule in prepare_data.py.
+from, duplicates on the same side, and the same rule in prepare_data.py. On a small corpus that rule can hold
+out none of the documents (49 at 2%: 37% of corpora) or all of them; the up-front check (checks.py), which reads
+every document once, then moves the bound (``RawSource.val_bound``) so that a ``val_fraction`` in (0, 1) holds
+out at least one of two or more documents and never all of them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ _STDLIB_EXCLUDE = frozenset({"test", "tests", "idlelib", "site-packages", "dist-
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 20
 
 
+def text_crc(text: str) -> int:
+    """The CRC32 of a document's UTF-8 text: what assigns it to a split."""
+    return zlib.crc32(text.encode("utf-8", errors="replace"))
+
+
 def in_val_split(text: str, val_fraction: float) -> bool:
-    """Whether a document belongs to the validation split (CRC32 of its UTF-8 text below the fraction)."""
-    return zlib.crc32(text.encode("utf-8", errors="replace")) < val_fraction * 2**32
+    """Whether a document belongs to the validation split by the hash rule (CRC32 of its UTF-8 text below the
+    fraction of the hash range). A checked raw source may move that bound on a small corpus (``val_bound``)."""
+    return text_crc(text) < val_fraction * 2**32
 
 
 class RawSource:
@@ -38,7 +47,13 @@ class RawSource:
 
     split: str | None = None
     val_fraction: float = 0.0
+    val_threshold: float | None = None  # set by the up-front check (checks.Census.split_bound); None: the hash rule
     description: str = ""
+
+    def val_bound(self) -> float:
+        """A document is held out when the CRC32 of its text is below this: ``val_fraction`` of the hash range,
+        unless the up-front check moved it (a small corpus the hash rule would hold out none or all of)."""
+        return self.val_fraction * 2**32 if self.val_threshold is None else self.val_threshold
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -52,8 +67,8 @@ class RawSource:
         docs = self.texts(u)
         if self.split is None:
             return docs
-        want_val = self.split == "val"
-        return [t for t in docs if in_val_split(t, self.val_fraction) == want_val]
+        want_val, bound = self.split == "val", self.val_bound()
+        return [t for t in docs if (text_crc(t) < bound) == want_val]
 
     def counted_documents(self) -> int | None:
         """The number of documents when the file metadata holds it (parquet), else None (count by reading)."""
@@ -174,13 +189,9 @@ class RecordSource(RawSource):
 
     def _field(self, path: str, offset: int, line: bytes) -> str:
         try:
-            record = json.loads(line)
+            record = json.loads(line.rstrip(b"\r\n"))  # (an error at the line's end stays on this line)
         except ValueError as e:
-            msg = getattr(e, "msg", str(e))
-            raise DataError(
-                f"{path}:{line_number(path, offset)}: not valid JSON ({msg}): {line[:80]!r}; fix or delete that "
-                "line (every non-blank line of a JSONL file is one JSON object)"
-            ) from None
+            raise DataError(json_line_error(path, line_number(path, offset), line, e)) from None
         if not isinstance(record, dict) or self.field not in record:
             has = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(
@@ -189,6 +200,26 @@ class RecordSource(RawSource):
             )
         value = record[self.field]
         return "" if value is None else value if isinstance(value, str) else str(value)
+
+
+def json_line_error(path: str, number: int, line: bytes, e: ValueError) -> str:
+    """One line naming where line ``number`` of ``path`` stops being JSON and the fix: the file, the line and
+    column (the line holds one JSON document, so json's line 1 column C is column C of that line), json's own
+    message whole (its ``msg``, ``lineno``, ``colno`` and ``pos``), and the text around that column."""
+    text = line.rstrip(b"\r\n").decode("utf-8", errors="replace")
+    if isinstance(e, json.JSONDecodeError):
+        where = f"line {number + e.lineno - 1}, column {e.colno}"
+        what, pos = f"{e.msg}: line {e.lineno} column {e.colno} (char {e.pos})", e.pos
+    elif isinstance(e, UnicodeDecodeError):  # json.loads decodes the bytes first
+        where = f"line {number}, byte {e.start + 1}"
+        what, pos = f"not UTF-8 ({e.reason})", len(line[: e.start].decode("utf-8", errors="replace"))
+    else:
+        where, what, pos = f"line {number}", str(e), 0
+    near = text[max(0, pos - 30) : pos + 30]
+    return (
+        f"{path}:{number}: not valid JSON at {where}: {what}; near {near!r}; fix or delete that line (every "
+        "non-blank line of a JSONL file is one JSON object)"
+    )
 
 
 def _lines(path: str, start: int, stop: int) -> list[tuple[int, bytes]]:

@@ -410,3 +410,38 @@ def test_memory_rows_of_a_save_are_one_summary_line() -> None:
     assert out["rss_before_mib"] == [100.0, 612.0, 1123.0]
     assert out["peak_growth_mib"] == [10.0, 10.0, 50.0]
     assert out["growth_beyond_share_mib"] == {"max": 42.0, "rank": 5}
+
+
+def _resumed(rank: int, world: int, dump):
+    """(load()'s (step, tokens_seen), elapsed_s) of a manager resuming from the folder's newest checkpoint."""
+    manager = _manager(rank, world, dump)
+    manager.dataloader.seek = lambda step, rows: None  # the stand-ins keep no position or schedule
+    manager._load_lr_scheduler = lambda last_epoch: None
+    return manager.load(), manager.elapsed_s
+
+
+def _elapsed_saves(rank: int, world: int, dump):
+    old = _manager(rank, world, dump)
+    state_dict = old._state_dict
+
+    def without_elapsed(*args):  # a checkpoint saved before train_state.elapsed_s was kept
+        sd = state_dict(*args)
+        del sd["train_state"]["elapsed_s"]
+        return sd
+
+    old._state_dict = without_elapsed
+    old.save(5, 50, elapsed_s=99.0)
+    seen = [_resumed(rank, world, dump)]
+    _manager(rank, world, dump).save(7, 70, elapsed_s=1234.5)
+    seen.append(_resumed(rank, world, dump))
+    return seen
+
+
+@pytest.mark.slow
+def test_elapsed_time_is_kept_and_an_older_checkpoint_without_it_still_loads(tmp_path):
+    """train_state.elapsed_s round-trips; a checkpoint without it resumes with elapsed time 0."""
+    from tests._dist import run_distributed
+
+    (seen,) = run_distributed(_elapsed_saves, 1, tmp_path)
+    assert seen == [((5, 50), 0.0), ((7, 70), 1234.5)]
+    assert "train_state.elapsed_s" not in read_metadata(tmp_path / "checkpoint" / "step-5").state_dict_metadata

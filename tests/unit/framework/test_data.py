@@ -29,7 +29,9 @@ from titan_dmuon.data import (
     checked_source,
     in_val_split,
     stdlib_source,
+    take_census,
 )
+from titan_dmuon.data.sources import text_crc
 
 REPO = str(Path(__file__).resolve().parents[3])
 WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "eta", "theta"]
@@ -185,6 +187,97 @@ def test_split_by_text_hash(jsonl_corpus) -> None:
     assert sum(len(everything.documents(u)) for u in range(len(everything))) == len(docs)
 
 
+def _docs_the_hash_rule_puts(n: int, held_out: bool, fraction: float = 0.02, tag: str = "doc") -> list[str]:
+    """``n`` distinct documents that the hash rule alone (``in_val_split``) holds out (or keeps), all of them."""
+    found = (f"{tag} {i} " + WORDS[i % len(WORDS)] for i in range(10**6))
+    docs = [t for t in found if in_val_split(t, fraction) == held_out][:n]
+    assert len(docs) == n
+    return docs
+
+
+def _write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    return path
+
+
+def _split(path: Path, fraction: float, dataset: str = "jsonl") -> dict[str, list[str]]:
+    """Every document of each split of a checked source (as the train and validation loaders read them)."""
+    got = {}
+    for split in ("train", "val"):
+        build = lambda s=split: build_source(dataset, str(path), split=s, val_fraction=fraction)  # noqa: E731
+        src = checked_source(build, None, split)
+        got[split] = [t for u in range(len(src)) for t in src.documents(u)]
+    return got
+
+
+def test_a_small_corpus_holds_out_one_document(tmp_path) -> None:
+    # 49 documents at the default 2% (0.98 expected): here the hash rule holds out none (37% of such corpora), and
+    # validation used to fail with an empty split. Now the document with the lowest CRC32 is held out.
+    docs = _docs_the_hash_rule_puts(49, held_out=False)
+    path = _write_jsonl(tmp_path / "c.jsonl", docs)
+    got = _split(path, 0.02)
+    lowest = min(docs, key=text_crc)
+    assert got["val"] == [lowest]
+    assert sorted(got["train"]) == sorted(t for t in docs if t != lowest) and len(got["train"]) == 48
+    assert _split(path, 0.02) == got  # deterministic (and a function of the texts only)
+    # the same on every rank: each rank counts its share of the units, and the merged counts give the bound
+    src = RecordSource([str(path)], "jsonl", chunk_bytes=256)
+    assert len(src) > 3
+    whole = take_census(src, 0.02)
+    merged = take_census(src, 0.02, 0, 3).merge(take_census(src, 0.02, 1, 3)).merge(take_census(src, 0.02, 2, 3))
+    assert merged == whole and whole.split_bound(0.02) == (text_crc(lowest) + 1, 1)
+    # through the loader: the validation batches read the held-out document only (BOS text EOS, again and again)
+    val = _loader(path, split="val", val_fraction=0.02, local=1)
+    one = [ByteTokenizer.bos_id, *lowest.encode(), ByteTokenizer.eos_id]
+    assert _take(val, 1)[0][0][0].tolist() == (one * 16)[:16]
+
+
+def test_a_split_never_holds_out_every_document(tmp_path) -> None:
+    # two documents that the hash rule at 50% would both hold out: the one with the highest CRC32 stays in train
+    docs = _docs_the_hash_rule_puts(2, held_out=True, fraction=0.5)
+    got = _split(_write_jsonl(tmp_path / "c.jsonl", docs), 0.5)
+    highest = max(docs, key=text_crc)
+    assert got == {"train": [highest], "val": [t for t in docs if t != highest]}
+
+
+@pytest.mark.parametrize("held_out", [False, True], ids=["kept-by-hash", "held-out-by-hash"])
+def test_one_document_stays_in_train(tmp_path, held_out: bool) -> None:
+    # One document cannot be split: it is trained on (even when its hash would hold it out: never all of them),
+    # and a validation loader on the held-out split says so up front, before the model is built.
+    (doc,) = _docs_the_hash_rule_puts(1, held_out=held_out, tag="only")
+    path = _write_jsonl(tmp_path / "one.jsonl", [doc])
+    assert len(_take(_loader(path, val_fraction=0.02), 2)) == 2  # one document loops
+    train = checked_source(lambda: build_source("jsonl", str(path), val_fraction=0.02), None, "train")
+    assert train.documents(0) == [doc]
+    with pytest.raises(DataError, match="the val split is empty: one document cannot be split") as e:
+        _loader(path, split="val", val_fraction=0.02)
+    assert "validation.dataset" in str(e.value)
+
+
+def test_a_large_corpus_keeps_its_hash_split(jsonl_corpus) -> None:
+    # 400 documents: the hash rule holds some out at 2% and at 10%, so the checked split is exactly that rule's
+    folder, docs = jsonl_corpus
+    for fraction in (0.02, 0.1):
+        got = _split(folder, fraction)
+        want = [t for t in docs if in_val_split(t, fraction)]
+        assert got["val"] == want and 0 < len(want) < len(docs)
+        assert got["train"] == [t for t in docs if not in_val_split(t, fraction)]
+    src = checked_source(lambda: build_source("jsonl", str(folder), split="val", val_fraction=0.02), None, "val")
+    assert src.val_threshold is None  # the hash rule's bound, untouched
+
+
+def test_a_small_parquet_corpus_holds_out_one_document(tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # parquet is otherwise checked from its metadata; a corpus this small is read, so the split is repaired too
+    docs = _docs_the_hash_rule_puts(49, held_out=False)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "a.parquet", row_group_size=10)
+    got = _split(tmp_path, 0.02, dataset="parquet")
+    lowest = min(docs, key=text_crc)
+    assert got["val"] == [lowest] and len(got["train"]) == 48
+
+
 # ------------------------------------------------------------------------------------------ the order
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000, 4097])
 def test_permutation_is_a_bijection(n: int) -> None:
@@ -295,6 +388,28 @@ def test_validation_restarts_on_every_iter(jsonl_corpus) -> None:
 def test_checks_name_the_file_and_line(tmp_path, content: str, match: str) -> None:
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(DataError, match=match):
+        _loader(tmp_path / "bad.jsonl")
+
+
+def test_a_bad_jsonl_line_names_its_line_and_column(tmp_path) -> None:
+    # a raw control character (here a tab) inside a string on line 3: json's message names it with line 1 (of the
+    # one-line document) and its column; the error keeps that whole, with the file's line and the column
+    lines = ['{"text": "a"}', "", '{"text": "x\ty"}', '{"text": "d"}']
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as e:
+        _loader(tmp_path / "bad.jsonl")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path / 'bad.jsonl'}:3: not valid JSON at line 3, column 12: ")
+    assert "Invalid control character at: line 1 column 12 (char 11)" in message
+    assert 'near \'{"text": "x\\ty"}\'' in message and "fix or delete that line" in message
+    # a line cut short: the column past its end, on that line (not "line 2 column 1" of the next)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n{"text": "c"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON at line 2, column 10: Expecting value: line 1"):
+        _loader(tmp_path / "bad.jsonl")
+    # bytes that are not UTF-8: the byte where they start
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON at line 2, byte 11: not UTF-8"):
         _loader(tmp_path / "bad.jsonl")
 
 

@@ -125,6 +125,58 @@ def test_no_val_split_is_reported(corpus, tmp_path) -> None:
         build_source("tokens", str(tmp_path), split="val")
 
 
+def _hash_puts(n: int, held_out: bool, fraction: float = 0.02) -> list[str]:
+    """``n`` distinct documents that the hash rule holds out (or keeps), all of them."""
+    docs = [t for t in (f"text {i}" for i in range(10**6)) if in_val_split(t, fraction) == held_out][:n]
+    assert len(docs) == n
+    return docs
+
+
+def _prepared(folder: Path, docs: list[str], fraction: float = 0.02) -> Path:
+    (folder / "raw").mkdir()
+    (folder / "raw" / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    _prepare(folder / "raw", folder / "tokens", val_fraction=fraction)
+    return folder / "tokens"
+
+
+def _token_docs(src: TokenSource) -> list[bytes]:
+    return [bytes(src.documents(u)[0][1:-1].tolist()) for u in range(len(src))]  # without BOS and EOS
+
+
+def test_a_small_prepared_corpus_holds_out_one_document(tmp_path) -> None:
+    # 49 documents at 2%: prepare_data.py's hash rule held out none, so the last train document is read as the
+    # validation split (from the manifest alone: no second tokenization), and training reads the other 48
+    docs = _hash_puts(49, held_out=False)
+    out = _prepared(tmp_path, docs)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["documents"] == 49 and manifest["splits"]["val"]["documents"] == 0
+    train, val = build_source("tokens", str(out)), build_source("tokens", str(out), split="val")
+    assert _token_docs(train) == [t.encode() for t in docs[:48]] and _token_docs(val) == [docs[48].encode()]
+    assert train.tokens + val.tokens == manifest["tokens"] and "held out for the val split" in train.description
+    assert len(build_source("tokens", str(out), split="val", val_fraction=1.0)) == 49  # a whole dataset: all
+    loader = build_dataloader(
+        dataset="tokens",
+        dataset_path=str(out),
+        tokenizer=ByteTokenizer(),
+        dp_rank=0,
+        dp_world_size=1,
+        local_batch_size=1,
+        seq_len=8,
+        split="val",
+    )
+    assert next(iter(loader))[0][0].tolist() == [ByteTokenizer.bos_id, *docs[48].encode()][:8]
+
+
+@pytest.mark.parametrize("held_out", [False, True], ids=["kept-by-hash", "held-out-by-hash"])
+def test_one_prepared_document_stays_in_train(tmp_path, held_out: bool) -> None:
+    # never all of them: a lone document is trained on, even when prepare_data.py wrote it to the val split
+    (doc,) = _hash_puts(1, held_out=held_out)
+    out = _prepared(tmp_path, [doc])
+    assert _token_docs(build_source("tokens", str(out))) == [doc.encode()]
+    with pytest.raises(DataError, match="the val split has no documents: one document cannot be split"):
+        build_source("tokens", str(out), split="val")
+
+
 def _batches(shards, rank: int, world: int, local: int, n: int, **kw):
     loader = build_dataloader(
         dataset="tokens",

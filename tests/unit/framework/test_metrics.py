@@ -10,6 +10,7 @@ from titan_dmuon.metrics import (
     MetricsLogger,
     device_memory_stats,
     get_peak_flops,
+    max_and_mean_over_ranks,
     peak_flops_for_name,
     throughput_metrics,
 )
@@ -32,6 +33,7 @@ def test_tensorboard_and_console(tmp_path, caplog):
             "grad_norm": 1.25,
             "lr": 0.01,
             "throughput/tokens_per_sec": 12345.0,
+            "throughput/tokens_per_sec_global": 98760.0,
             "throughput/tflops": 0.5,
             "memory/rss_gib": 1.5,
             "dmuon/bytes_broadcast": 4096.0,
@@ -58,7 +60,8 @@ def test_tensorboard_and_console(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
     assert len(lines) == 2
     assert "loss: 3.5000" in lines[0] and "grad_norm: 1.2500" in lines[0] and "lr: 1.00e-02" in lines[0]
-    assert "tps: 12,345" in lines[0] and "tflops: 0.500" in lines[0] and "rss: 1.50GiB" in lines[0]
+    assert "tps/rank: 12,345  tokens/s: 98,760" in lines[0] and "tflops: 0.500" in lines[0]
+    assert "rss: 1.50GiB" in lines[0] and "tps/rank: 23,456" in lines[1] and "tokens/s" not in lines[1]
     assert "eta" not in lines[0]
     assert "step:    2" in lines[1] and "loss: 3.0000" in lines[1] and "mfu: 35.20%" in lines[1]
     assert "memory: 2.00GiB (12.5%)" in lines[1] and "eta: 0:09:00" in lines[1]
@@ -98,8 +101,9 @@ def test_flops_helpers():
     assert peak_flops_for_name("NVIDIA B200") == 2.25e15
     assert peak_flops_for_name("Some GPU") is None
     assert get_peak_flops("cpu") is None
-    tm = throughput_metrics(tokens=2048, seconds=0.5, flops_per_token=10**9, peak_flops=989e12)
-    assert tm["throughput/tokens_per_sec"] == 4096.0
+    tm = throughput_metrics(tokens=2048, seconds=0.5, flops_per_token=10**9, peak_flops=989e12, ranks=8)
+    assert tm["throughput/tokens_per_sec"] == 4096.0  # one rank's (device's)
+    assert tm["throughput/tokens_per_sec_global"] == 8 * 4096.0  # all ranks' together
     assert tm["throughput/tflops"] == pytest.approx(4.096)
     assert tm["mfu"] == pytest.approx(100 * 4.096e12 / 989e12)
     assert "mfu" not in throughput_metrics(2048, 0.5, 10**9, None)
@@ -146,3 +150,58 @@ def test_console_line_names_both_lrs_progress_and_total(tmp_path, caplog):
     acc.Reload()
     assert "config/text_summary" in acc.Tags()["tensors"]
     assert {"lr/muon", "lr/adamw", "progress/tokens_seen"} <= set(acc.Tags()["scalars"])
+
+
+def _scalar_events(tb_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every (step, value) TensorBoard shows per tag, in order (duplicates kept: a dict would hide them)."""
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_a_resumed_logger_shows_each_step_once_with_the_last_runs_value(tmp_path):
+    """A run logged steps 1-4 and was killed after saving step 2; the rerun resumes there and logs steps 3-5 into
+    the same folder (purge_step = 3): TensorBoard shows steps 1-5 once each, 3-5 with the rerun's values."""
+    first = MetricsLogger(Metrics(), str(tmp_path), rank=0, purge_step=1)
+    for step in range(1, 5):
+        first.log(step, {"loss/train": float(step), "progress/elapsed_s": 10.0 * step})
+    first.close()
+    rerun = MetricsLogger(Metrics(), str(tmp_path), rank=0, purge_step=3)
+    for step in range(3, 6):
+        rerun.log(step, {"loss/train": 100.0 + step, "progress/elapsed_s": 20.0 + 11.0 * (step - 2)})
+    rerun.close()
+    events = _scalar_events(tmp_path / "tb")
+    assert events["loss/train"] == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0), (5, 105.0)]
+    assert [s for s, _ in events["progress/elapsed_s"]] == [1, 2, 3, 4, 5]
+
+
+def test_over_ranks_without_a_process_group():
+    maxes, means = max_and_mean_over_ranks({"a": 2.0, "c": 1.0}, ["a", "b"], "cpu")
+    assert maxes == means == {"a": 2.0}  # "b" is nowhere, "c" not asked for
+
+
+def _over_two_ranks(rank: int, world: int):
+    import torch.distributed as dist
+
+    values = {"ns_time_s": 1.0 + rank, "ns_calls": 3.0 * rank}
+    if rank == 1:
+        values["publish_wait_p90_us"] = 50.0  # on rank 1 only
+    calls = []
+    real = dist.all_gather
+    dist.all_gather = lambda *a, **k: calls.append(1) or real(*a, **k)
+    from tests._dist import rank_device
+
+    out = max_and_mean_over_ranks(values, ["ns_calls", "ns_time_s", "publish_wait_p90_us", "absent"], rank_device())
+    return out, len(calls)
+
+
+@pytest.mark.slow
+def test_over_ranks_is_one_all_gather_for_max_and_mean():
+    from tests._dist import run_distributed
+
+    results = run_distributed(_over_two_ranks, 2)
+    assert results[0] == results[1]  # every rank gets the figures
+    (maxes, means), calls = results[0]
+    assert calls == 1
+    assert maxes == {"ns_calls": 3.0, "ns_time_s": 2.0, "publish_wait_p90_us": 50.0}
+    assert means == {"ns_calls": 1.5, "ns_time_s": 1.5, "publish_wait_p90_us": 50.0}  # over the ranks that have it

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -96,6 +96,7 @@ class OptimizerComponent:
         self.muon_predicate = muon_predicate(self.muon_params)
         self.model: nn.Module | None = None
         self.dims: ParallelDims | None = None
+        self.mesh: DeviceMesh | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.own_params: set[nn.Parameter] = set()
         """The params this component allocates and initializes itself (set by `prepare`): FSDP2 ignores them
@@ -105,7 +106,7 @@ class OptimizerComponent:
     def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
         """Runs inside parallelize, on the meta model, after TP and before FSDP2. Returns the params FSDP2 must
         not manage (`own_params`)."""
-        self.model, self.dims = model, dims
+        self.model, self.dims, self.mesh = model, dims, mesh
         return self.own_params
 
     def init_own_params(self, init_fn: Callable[[str, torch.Tensor, tuple[slice, ...]], None], device) -> None:
@@ -150,8 +151,23 @@ class OptimizerComponent:
         return total
 
     def step_stats(self) -> dict[str, float]:
-        """Metrics of the last step (TensorBoard tag -> value); only those that carry information here."""
+        """Metrics of the last step (TensorBoard tag -> value); only those that carry information here. The
+        trainer calls it on every rank, on log steps only: it may run one small collective (`over_ranks`)."""
         return {}
+
+    def over_ranks(self, prefix: str, values: dict[str, float], keys: Sequence[str]) -> dict[str, float]:
+        """This rank's `values` as figures of the whole job: `<prefix>/<key>` is the max over all ranks (the
+        slowest or busiest rank, which the step waits for) and, with more than one rank, `<prefix>_mean/<key>`
+        the mean. One all_gather of a [len(keys)] vector (titan_dmuon.metrics.max_and_mean_over_ranks); every
+        rank passes the same `keys` (a key a rank lacks counts over the ranks that have it)."""
+        from titan_dmuon.metrics import max_and_mean_over_ranks
+
+        device = self.mesh.device_type if self.mesh is not None else "cpu"
+        maxes, means = max_and_mean_over_ranks(values, keys, device)
+        out = {f"{prefix}/{k}": v for k, v in maxes.items()}
+        if self.dims is not None and self.dims.world_size > 1:
+            out.update({f"{prefix}_mean/{k}": v for k, v in means.items()})
+        return out
 
     # ----------------------------------------------------------------------------------- checkpoints
     def model_state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_dmuon import dmuon
+from titan_dmuon.dmuon.comm import KINDS, WaitMeter
 
 from .base import OptimizerComponent, muon_options, register_optimizer
 
@@ -81,18 +82,30 @@ class DMuon(OptimizerComponent):
         return dmuon.clip_grad_norm_(self.model, self.optimizer, max_norm)
 
     def step_stats(self) -> dict[str, float]:
-        """Newton-Schulz calls and time on this rank, the bytes of each collective kind whose mesh axis has
-        more than one rank (the others are zero by construction), and, under HSDP with the async publish, how
-        long the forwards since the last call waited for it (`dmuon/publish_wait_p50_us`, `_p90_us`, `_p99_us`;
-        docs/dmuon.md, "CUDA streams")."""
+        """Newton-Schulz calls and time, the bytes of each collective kind whose mesh axis has more than one
+        rank (the others are zero by construction), and, under HSDP with the async publish, how long the forwards
+        since the last call waited for it (`publish_wait_p50_us`, `_p90_us`, `_p99_us`; docs/dmuon.md, "CUDA
+        streams"): each rank's figures, as `dmuon/<name>` the max over ranks and `dmuon_mean/<name>` the mean
+        (one all_gather, on log steps only: the trainer calls this there)."""
         stats = self.optimizer.last_step_stats
-        out = {f"dmuon/{k}": float(stats[k]) for k in ("ns_calls", "ns_time_s") if k in stats}
-        out.update({f"dmuon/{k}": v for k, v in self.optimizer.publish_wait_stats().items()})
+        values = {k: float(stats[k]) for k in ("ns_calls", "ns_time_s") if k in stats}
+        values.update(self.optimizer.publish_wait_stats())
         degree = {"shard": self.dims.dp_shard, "replicate": self.dims.dp_replicate, "tp": self.dims.tp}
-        for kind, nbytes in dmuon.comm_stats(self.model)["bytes"].items():
-            if degree[_axis_of(kind)] > 1 and (kind != "tp_gram" or self.cfg.optimizer.dmuon.tp_distributed_gram):
-                out[f"dmuon/bytes_{kind}"] = float(nbytes)
-        return out
+        kinds = [
+            kind
+            for kind in KINDS
+            if degree[_axis_of(kind)] > 1 and (kind != "tp_gram" or self.cfg.optimizer.dmuon.tp_distributed_gram)
+        ]
+        values.update({f"bytes_{k}": float(v) for k, v in dmuon.comm_stats(self.model)["bytes"].items()})
+        # The same keys, in the same order, on every rank (a figure a rank lacks is NaN in the gathered vector).
+        keys = [
+            "ns_calls",
+            "ns_time_s",
+            *(f"publish_wait_p{q}_us" for q in WaitMeter.QUANTILES),
+            "publish_waits",
+            *(f"bytes_{kind}" for kind in kinds),
+        ]
+        return self.over_ranks("dmuon", values, keys)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's share: each dedicated matrix's fp32 master on its owner's column only, the FSDP2 DTensors."""

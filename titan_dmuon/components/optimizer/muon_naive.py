@@ -149,8 +149,8 @@ class MuonNaive(OptimizerComponent):
         return self.optimizer
 
     def step_stats(self) -> dict[str, float]:
-        """Newton-Schulz calls and time on this rank, and the Muon-grad all-gather bytes when there is more than
-        one rank."""
+        """Newton-Schulz calls and time, and the Muon-grad all-gather bytes when there is more than one rank:
+        `muon_naive/<name>` the max over ranks, `muon_naive_mean/<name>` the mean (one all_gather; log steps only)."""
         stats = self.optimizer.last_step_stats
         keys = ("ns_calls", "ns_time_s", "bytes_all_gather") if self.dims.world_size > 1 else ("ns_calls", "ns_time_s")
-        return {f"muon_naive/{k}": float(stats[k]) for k in keys if k in stats}
+        return self.over_ranks("muon_naive", {k: float(v) for k, v in stats.items()}, keys)
