@@ -10,9 +10,11 @@ its own hooks there); for a region without AC both counts agree (`saved_tensor_b
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,11 +54,22 @@ def held_bytes(forward: Callable[[], torch.Tensor], exclude: set[int]) -> tuple[
     mode = _Created()
     with mode:
         loss = forward()
-    gc.collect()
     loss_storage = _local(loss).untyped_storage()._cdata
-    held = sum(
-        n for cdata, (ref, n) in mode.storages.items() if not ref.expired() and cdata not in exclude | {loss_storage}
-    )
+
+    def count() -> int:
+        gc.collect()
+        alive = [n for c, (ref, n) in mode.storages.items() if not ref.expired() and c not in exclude]
+        return sum(alive) - (mode.storages[loss_storage][1] if loss_storage in mode.storages else 0)
+
+    # A collective's buffers (e.g. the all-gathered logits without loss parallel) can outlive the forward for a
+    # moment, held by the process group's work objects until their thread lets go of them: the least of a few
+    # counts, each after the ranks are past a barrier, is what the graph itself keeps.
+    held = count()
+    for _ in range(5):
+        if dist.is_initialized():
+            dist.barrier()
+        time.sleep(0.05)
+        held = min(held, count())
     return loss, held
 
 
