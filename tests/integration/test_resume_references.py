@@ -87,6 +87,7 @@ PARAGRAPHS = [
     "epsilon zeta eta theta iota",
     "kappa lambda mu",
     "nu xi omicron pi rho",
+    "sigma tau upsilon phi chi psi omega",
 ]
 
 
@@ -191,8 +192,11 @@ def _three_runs(rank: int, world: int, root: str, corpus: str) -> dict:
 # ---------------------------------------------------------------------------------------- the references
 def _stream() -> tuple[list[int], list[int]]:
     """(the training split's token stream of the corpus, each paragraph's token count), from the text alone: a
-    paragraph is held out for validation when the CRC32 of its text is in the lowest 2% of the range."""
-    train = [p for p in PARAGRAPHS if zlib.crc32(p.encode()) >= 0.02 * 2**32]
+    paragraph is held out for validation when the CRC32 of its text is in the lowest 2% of the range, and when that
+    holds out none of two or more, the paragraph with the lowest CRC32 is (docs/training.md, Data)."""
+    crc = {p: zlib.crc32(p.encode()) for p in PARAGRAPHS}
+    held = {p for p in PARAGRAPHS if crc[p] < 0.02 * 2**32} or {min(PARAGRAPHS, key=crc.__getitem__)}
+    train = [p for p in PARAGRAPHS if p not in held]
     assert len(train) >= 5, "the corpus must keep most paragraphs for training"
     docs = [[BOS, *p.encode(), EOS] for p in train]
     return [t for d in docs for t in d], [len(d) for d in docs]
