@@ -19,20 +19,30 @@ def _step(side: Side) -> None:
     side.opt.zero_grad()
 
 
-def accumulate_with_no_sync(side: Side, steps: int) -> list[float]:
-    """Two micro-batches a step; on even steps the first inside no_sync."""
+def _accumulate(side: Side, steps: int, around_step, around_micro) -> list[float]:
+    """Two micro-batches a step (mean of their losses), each forward-backward inside `around_micro(step, micro)`,
+    both inside `around_step()`; then one optimizer step."""
     losses = []
     for step in range(steps):
         total = 0.0
-        for micro in range(2):
-            quiet = micro == 0 and step % 2 == 0
-            with side.no_sync() if quiet else contextlib.nullcontext():
-                loss = side.loss(10 * step + micro) / 2
-                loss.backward()
-            total += side.mean(loss)
+        with around_step():
+            for micro in range(2):
+                with around_micro(step, micro):
+                    loss = side.loss(10 * step + micro) / 2
+                    loss.backward()
+                total += side.mean(loss)
         _step(side)
         losses.append(total)
     return losses
+
+
+def accumulate_with_no_sync(side: Side, steps: int) -> list[float]:
+    """On even steps the first micro-batch inside no_sync."""
+
+    def quiet(step: int, micro: int):
+        return side.no_sync() if micro == 0 and step % 2 == 0 else contextlib.nullcontext()
+
+    return _accumulate(side, steps, contextlib.nullcontext, quiet)
 
 
 def eval_forward_held(side: Side, steps: int) -> list[float]:
@@ -76,17 +86,11 @@ def accumulate_in_one_autocast_region(side: Side, steps: int) -> list[float]:
     """Two micro-batches a step, both forward-backwards inside one bf16 autocast region (autocast's cast cache
     then outlives the first backward: DMuon drops it when the next forward begins). The step is outside the
     region, as torch's autocast docs ask (inside, the cache would feed the next forwards pre-step weights)."""
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        with torch.autocast(side.device_type, dtype=torch.bfloat16):
-            for micro in range(2):
-                loss = side.loss(10 * step + micro) / 2
-                loss.backward()
-                total += side.mean(loss)
-        _step(side)
-        losses.append(total)
-    return losses
+
+    def region():
+        return torch.autocast(side.device_type, dtype=torch.bfloat16)
+
+    return _accumulate(side, steps, region, lambda step, micro: contextlib.nullcontext())
 
 
 def test_accumulation_in_one_autocast_region_matches_reference():
