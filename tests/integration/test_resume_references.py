@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests._dist import run_distributed
 from tests.integration.test_checkpoint import read_checkpoint
+from tests.integration.test_train_reference import HPARAMS, MUON_PARAMS, flag
 
 pytestmark = pytest.mark.slow
 
@@ -53,22 +54,10 @@ STEPS, SAVE_AT, SEQ, GLOBAL_BATCH, SEED = 8, 4, 32, 8, 42
 PY_SEED, NP_SEED = 1234, 5678  # per rank: + rank
 BOS, EOS = 256, 257  # the byte tokenizer's
 LAYOUTS = {"1proc": 1, "fsdp2": 2}  # ranks
-MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
-# Every hyper-parameter, passed to train.py and to the reference (none taken from debug_model.toml's defaults).
+# Every hyper-parameter, passed to train.py and to the reference (none taken from debug_model.toml's defaults): the
+# optimizers' of tests/integration/test_train_reference.py, and a schedule and model settings of this module's own.
 HP = {
-    "optimizer.name": "dmuon",
-    "optimizer.muon_params": MUON_PARAMS,
-    "optimizer.muon.lr": 0.01,
-    "optimizer.muon.momentum": 0.95,
-    "optimizer.muon.nesterov": "true",
-    "optimizer.muon.weight_decay": 0.1,
-    "optimizer.muon.ns_steps": 5,
-    "optimizer.muon.ns_coefficients": "polar_express",
-    "optimizer.muon.eps": 1e-7,
-    "optimizer.muon.adjust_lr_fn": "match_rms_adamw",
-    "optimizer.adamw.lr": 3e-3,
-    "optimizer.adamw.eps": 1e-8,
-    "optimizer.adamw.weight_decay": 0.01,
+    **{key: value for key, value in HPARAMS.items() if key.startswith("optimizer.")},
     "lr_scheduler.warmup_steps": 2,  # then decay over the other STEPS - 2 steps (decay_ratio unset), linearly
     "lr_scheduler.decay_type": "linear",
     "lr_scheduler.min_lr_factor": 0.1,
@@ -77,7 +66,6 @@ HP = {
     "training.mixed_precision_reduce": "float32",
     "model.tokenizer": "byte",
 }
-BETAS = (0.9, 0.95)
 # Paragraphs of different lengths (one of two lines); ~130 tokens in all, so the SEQ-token windows of STEPS steps
 # wrap around the file once and the saved position falls inside a paragraph.
 PARAGRAPHS = [
@@ -98,10 +86,8 @@ def _corpus(folder: Path) -> Path:
 
 
 def _argv(dump: Path, corpus: Path, world: int, checkpoint: bool) -> list[str]:
-    hp = [str(v) for key, value in HP.items() for v in (f"--{key}", value)]
+    hp = [v for key, value in HP.items() for v in (f"--{key}", *flag(value))]
     return hp + [
-        "--optimizer.adamw.betas",
-        *map(str, BETAS),
         "--config",
         "train_configs/debug_model.toml",
         "--model.flavor",
@@ -249,13 +235,13 @@ def _reference_training(steps: int):
         lambda name, p: p.ndim == 2 and regex.search(name) is not None,
         lr=HP["optimizer.muon.lr"],
         momentum=HP["optimizer.muon.momentum"],
-        nesterov=True,
+        nesterov=HP["optimizer.muon.nesterov"],
         weight_decay=HP["optimizer.muon.weight_decay"],
         ns_coefficients="polar_express",
         ns_steps=HP["optimizer.muon.ns_steps"],
         adjust_lr_fn="match_rms_adamw",
         adamw_lr=HP["optimizer.adamw.lr"],
-        adamw_betas=BETAS,
+        adamw_betas=HP["optimizer.adamw.betas"],
         adamw_eps=HP["optimizer.adamw.eps"],
         adamw_weight_decay=HP["optimizer.adamw.weight_decay"],
     )

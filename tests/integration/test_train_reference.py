@@ -70,7 +70,8 @@ H = {k.split(".", 1)[1].replace("muon.", "").replace("adamw.", "adamw_"): v for 
 RTOL = 1e-5
 
 
-def _flag(value) -> list[str]:
+def flag(value) -> list[str]:
+    """A hyper-parameter's value as train.py's command line takes it (bools lower-case, tuples spread)."""
     if isinstance(value, bool):
         return [str(value).lower()]
     if isinstance(value, tuple):
@@ -82,7 +83,7 @@ def train_argv(local_batch_size: int, dump, max_norm: float) -> list[str]:
     argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(dump)]
     argv += ["--training.max_norm", repr(max_norm)]
     for key, value in HPARAMS.items():
-        argv += [f"--{key}", *_flag(value)]
+        argv += [f"--{key}", *flag(value)]
     return argv + ["--training.local_batch_size", str(local_batch_size), "--metrics.log_freq", "1"]
 
 
