@@ -13,47 +13,23 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.train_args import tiny_train_argv
 
 STEPS = 3
 RTOL = 1e-5
 
 
 def _argv(dump: str, optimizer: str, disable: bool) -> list[str]:
-    return [
-        "--config",
-        "train_configs/debug_model.toml",
-        "--model.flavor",
-        "tinymodel",
-        "--optimizer.name",
-        optimizer,
-        "--training.seq_len",
-        "32",
-        "--training.local_batch_size",
-        "2",
-        "--training.steps",
-        str(STEPS),
-        # accumulation (no_sync and loss parallel together) and op-level selective AC, the same on both sides
-        "--training.gradient_accumulation_steps",
-        "2",
-        "--activation_checkpoint.mode",
-        "selective",
-        "--activation_checkpoint.selective_ac_option",
-        "op",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--parallelism.disable_loss_parallel",
-        str(disable).lower(),
-        "--validation.enable",
-        "true",
-        "--validation.steps",
-        "1",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--comm.heartbeat_seconds",
-        "0",
-        "--job.dump_folder",
+    return tiny_train_argv(
         dump,
-    ]
+        *("--optimizer.name", optimizer, "--training.local_batch_size", "2", "--training.steps", str(STEPS)),
+        # accumulation (no_sync and loss parallel together) and op-level selective AC, the same on both sides
+        *("--training.gradient_accumulation_steps", "2"),
+        *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+        *("--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel", str(disable).lower()),
+        *("--validation.enable", "true", "--validation.steps", "1"),
+        seed=42,
+    )
 
 
 def _train(dump: str, optimizer: str, disable: bool) -> dict:

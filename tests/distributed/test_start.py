@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.train_args import tiny_train_argv
 
 TILE = (8, 16)
 LAYOUTS = {
@@ -23,21 +24,7 @@ LAYOUTS = {
 
 
 def _argv(dump: str, extra: list[str]) -> list[str]:
-    return [
-        "--config",
-        "train_configs/debug_model.toml",
-        "--model.flavor",
-        "tinymodel",
-        "--training.seq_len",
-        "32",
-        "--training.seed",
-        "7",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--job.dump_folder",
-        dump,
-        *extra,
-    ]
+    return tiny_train_argv(dump, *extra)
 
 
 def initial_weights(argv: list[str]) -> dict[str, torch.Tensor]:

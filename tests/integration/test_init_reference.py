@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests.train_args import tiny_train_argv
 
 pytestmark = pytest.mark.slow
 
@@ -36,24 +37,7 @@ TILE = (512, 2048)  # titan_dmuon.init.TILE as documented; asserted in the ranks
 
 
 def _argv(dump: str, world: int) -> list[str]:
-    return [
-        "--config",
-        "train_configs/debug_model.toml",
-        "--model.flavor",
-        "tinymodel",
-        "--training.seq_len",
-        "32",
-        "--training.seed",
-        str(SEED),
-        "--training.local_batch_size",
-        str(8 // world),
-        "--metrics.enable_tensorboard",
-        "false",
-        "--comm.heartbeat_seconds",
-        "0",
-        "--job.dump_folder",
-        dump,
-    ]
+    return tiny_train_argv(dump, "--training.local_batch_size", str(8 // world), seed=SEED)
 
 
 def _initial_weights(rank: int, world: int, dump: str) -> dict[str, torch.Tensor] | None:
