@@ -7,7 +7,7 @@
 #
 # Exit status: train.py's (0 done, 1 diverged or failed, 2 config error, 128 + N stopped by signal N after saving a
 # checkpoint). A config error is printed once. SIGTERM, SIGUSR1 and Ctrl-C go to the training processes, which
-# stop together at a step boundary and save there (titan_dmuon/preemption.py); torchrun itself never sees them.
+# stop together at a step boundary and save there (titan_dmuon/parallel/preemption.py); torchrun itself never sees them.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

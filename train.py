@@ -5,7 +5,8 @@ Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N or --
 Multi-node: scripts/multinode_trainer.slurm (sbatch); docs/training.md, Launching.
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed (also when a peer rank died or hung:
 a collective timed out, comm.*_timeout_seconds), 2 configuration error, 128 + N stopped by signal N (143 SIGTERM,
-138 SIGUSR1, 130 SIGINT) after saving a checkpoint of the step reached (titan_dmuon/preemption.py): rerun to resume.
+138 SIGUSR1, 130 SIGINT) after saving a checkpoint of the step reached (titan_dmuon/parallel/preemption.py): rerun
+to resume.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg) -> tuple[int, str | None]:
     """(exit status, the one-line message to print for it, if not logged already)."""
     from titan_dmuon.parallel.failures import CommFailureError
-    from titan_dmuon.preemption import StopRequested
+    from titan_dmuon.parallel.preemption import StopRequested
     from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
 
     set_up_logging()

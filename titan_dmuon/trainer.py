@@ -38,13 +38,13 @@ from titan_dmuon.parallel import ParallelDims, materialize, parallelize
 from titan_dmuon.parallel.failures import comm_failures, describe_comm_failure
 from titan_dmuon.parallel.heartbeat import Heartbeat
 from titan_dmuon.parallel.layout import check_node_layout, describe_layout, gather_places, node_names, this_place
+from titan_dmuon.parallel.preemption import StopRequested, StopSignals
 from titan_dmuon.parallel.process_group import (
     destroy_process_groups,
     init_process_group,
     ranks_per_node,
     set_collective_timeout,
 )
-from titan_dmuon.preemption import StopRequested, StopSignals
 from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
@@ -330,7 +330,7 @@ class Trainer:
             ntokens += labels.numel()
         grad_norm = self.optim.clip_grad_norm_(self.max_norm)  # global: the same on every rank
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks. A stop signal is
-        # sampled here, on every rank after the same step (titan_dmuon/preemption.py).
+        # sampled here, on every rank after the same step (titan_dmuon/parallel/preemption.py).
         loss_sum[1] = float(self.stop_signals.pending)
         dist.all_reduce(loss_sum)
         loss_value, norm_value, stops = torch.stack(

@@ -7,7 +7,7 @@ import os
 import signal
 
 from titan_dmuon import exit_status
-from titan_dmuon.preemption import StopRequested, StopSignals, exit_code
+from titan_dmuon.parallel.preemption import StopRequested, StopSignals, exit_code
 
 
 def test_stop_signals_record_the_first_and_outlive_it() -> None:
