@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from models.tiny_mlp import TinyMLP, is_muon_target
 from titan_dmuon import dmuon
+from titan_dmuon.models.tiny_mlp import TinyMLP, is_muon_target
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Python code, the same for both starts) (``/proc/self/clear_refs``), and the star
 
   new   the trainer's start: the meta model -> parallelize (TP, DMuon's dedicate_params, FSDP2, all on meta)
         -> materialize (each rank allocates and initializes its FSDP2 shards, its owner column's fp32 masters,
-        the buffers, from titan_dmuon/init.py);
+        the buffers, from titan_dmuon/components/initialization.py);
   old   build on meta -> ``to_empty`` + ``init_weights`` of the whole model on every rank -> parallelize (DMuon
         copies the owners' masters out of the live values, FSDP2 shards the live params).
 
@@ -70,10 +70,11 @@ def _rank(rank: int, world: int, port: int, mode: str, args, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from titan_dmuon.components.initialization import materialize
     from titan_dmuon.components.model import get_model_spec
     from titan_dmuon.components.optimizer import build_optimizer_component
     from titan_dmuon.config import parse_args
-    from titan_dmuon.parallel import ParallelDims, materialize, parallelize
+    from titan_dmuon.parallel import ParallelDims, parallelize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

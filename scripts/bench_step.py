@@ -76,10 +76,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
 from titan_dmuon import dmuon  # noqa: E402
 from titan_dmuon.components.optimizer import NaiveMuon  # noqa: E402
 from titan_dmuon.dmuon.newton_schulz import NS_MAX_BATCH_ELEMENTS  # noqa: E402
+from titan_dmuon.models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
 from titan_dmuon.parallel import fsdp_blocks  # noqa: E402
 
 # Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for every optimizer).

@@ -6,15 +6,15 @@
     python scripts/convert_checkpoint.py Llama-3.1-8B/ outputs/init-dcp --format dcp --model.flavor 8B
 
 The source of a DCP conversion is one checkpoint folder (`step-<N>`, with DCP's `.metadata`) whose model weights
-are the keys `model.<fqn>` (titan_dmuon/checkpoint.py saves them so). The model configuration is the job's: the
-TOML saved with the checkpoint (`config.toml` in the step folder or its parent), else `--config PATH`, else the
+are the keys `model.<fqn>` (titan_dmuon/components/checkpoint.py saves them so). The model configuration is the job's:
+the TOML saved with the checkpoint (`config.toml` in the step folder or its parent), else `--config PATH`, else the
 defaults; any `--section.field value` of train.py overrides it (`--model.flavor 8B`). The vocabulary size is read
 from the checkpoint's tensors. No process group is started: tensors are read from the checkpoint in groups of
 at most `--max-shard-size` bytes and written as safetensors shards of at most that size, so memory stays within
 a few times the larger of that size and the largest tensor, whatever the model's size (`--format torch` writes
 one file and so holds the whole model; so does `--format dcp`).
-Checkpoints are read as titan_dmuon/checkpoint.py loads them: no code is unpickled (a `.metadata` naming other
-classes is refused). Errors (not a checkpoint, another model configuration) print one line and exit 2.
+Checkpoints are read as titan_dmuon/components/checkpoint.py loads them: no code is unpickled (a `.metadata` naming
+other classes is refused). Errors (not a checkpoint, another model configuration) print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -110,13 +110,13 @@ def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[in
 
 def read_dcp_metadata(src: Path):
     """{fqn: TensorStorageMetadata} of the model weights (`model.<fqn>` keys) of DCP checkpoint `src`, read
-    with titan_dmuon/checkpoint.py's `read_metadata`: a `.metadata` naming anything but DCP's metadata classes
-    is refused, never unpickled into running code."""
+    with titan_dmuon/components/checkpoint.py's `read_metadata`: a `.metadata` naming anything but DCP's metadata
+    classes is refused, never unpickled into running code."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from titan_dmuon.checkpoint import read_metadata
+    from titan_dmuon.components.checkpoint import read_metadata
 
     if not (src / ".metadata").is_file():
         raise ConversionError(f"{src} is not a DCP checkpoint folder (no .metadata): give a step-<N> folder")
@@ -144,7 +144,7 @@ def stream_dcp(src: Path, entries: dict, order: list[str], max_bytes: int) -> It
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from titan_dmuon.checkpoint import SafeLoadPlanner, SafeReader
+    from titan_dmuon.components.checkpoint import SafeLoadPlanner, SafeReader
 
     def load(group: list[str]):
         sd = {f"model.{k}": torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in group}
@@ -170,7 +170,7 @@ def stream_dcp(src: Path, entries: dict, order: list[str], max_bytes: int) -> It
 def convert_from_dcp(src: Path, dst: Path, fmt: str, cfg, dtype, max_shard_bytes: int) -> None:
     import torch
 
-    from titan_dmuon.hf import export_hf
+    from titan_dmuon.components.hf import export_hf
 
     entries = read_dcp_metadata(src)
     model, spec = build_meta(cfg, lambda fqn: tuple(entries[fqn].size) if fqn in entries else None)
@@ -197,7 +197,7 @@ def convert_from_hf(src: Path, dst: Path, cfg, dtype) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from titan_dmuon.hf import hf_tensor_shapes, load_hf_weights
+    from titan_dmuon.components.hf import hf_tensor_shapes, load_hf_weights
 
     try:
         shapes = hf_tensor_shapes(src)

@@ -69,7 +69,7 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn: Callable, arg
     import torch
     import torch.distributed as dist
 
-    from titan_dmuon.parallel.process_group import destroy_process_groups
+    from titan_dmuon.parallel.runtime import destroy_process_groups
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

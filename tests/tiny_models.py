@@ -1,4 +1,4 @@
-"""Tiny models shared by the tests (the quick-start TinyMLP of models.tiny_mlp, each layer a module with a
+"""Tiny models shared by the tests (the quick-start TinyMLP of titan_dmuon.models.tiny_mlp, each layer a module with a
 forward)."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from models.tiny_mlp import TinyMLP as _SeedTinyMLP
-from models.tiny_mlp import is_muon_target as proj_predicate  # noqa: F401 (the tests' name for it)
+from titan_dmuon.models.tiny_mlp import TinyMLP as _SeedTinyMLP
+from titan_dmuon.models.tiny_mlp import is_muon_target as proj_predicate  # noqa: F401 (the tests' name for it)
 
 
 class TinyMLP(_SeedTinyMLP):
-    """The quick-start TinyMLP (models.tiny_mlp) at test size, with a 4-wide head."""
+    """The quick-start TinyMLP (titan_dmuon.models.tiny_mlp) at test size, with a 4-wide head."""
 
     def __init__(self, d: int = 32, ff: int = 64, n_layers: int = 3):
         super().__init__(d, ff, n_layers, n_out=4)

@@ -27,25 +27,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titan_dmuon.checkpoint import CheckpointManager, validate_checkpoint_config
+from titan_dmuon.components.checkpoint import CheckpointManager, validate_checkpoint_config
+from titan_dmuon.components.initialization import materialize
+from titan_dmuon.components.lr_scheduler import build_lr_scheduler
+from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
+from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
 from titan_dmuon.data import DataError, build_dataloader, build_tokenizer
-from titan_dmuon.lr_scheduler import build_lr_scheduler
-from titan_dmuon.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
-from titan_dmuon.parallel import ParallelDims, materialize, parallelize
+from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.parallel.failures import comm_failures, describe_comm_failure
 from titan_dmuon.parallel.heartbeat import Heartbeat
 from titan_dmuon.parallel.layout import check_node_layout, describe_layout, gather_places, node_names, this_place
 from titan_dmuon.parallel.preemption import StopRequested, StopSignals
-from titan_dmuon.parallel.process_group import (
+from titan_dmuon.parallel.runtime import (
     destroy_process_groups,
     init_process_group,
     ranks_per_node,
     set_collective_timeout,
 )
-from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class Trainer:
             self._check_device_memory()
         # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, its owner column's DMuon
         #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
-        #     starts from the same weights on any cluster shape (titan_dmuon/init.py).
+        #     starts from the same weights on any cluster shape (titan_dmuon/components/initialization.py).
         materialize(self.model, self.spec, self.optim, self.device, self.seed)
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optim.build()

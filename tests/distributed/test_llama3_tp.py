@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama3 import apply_tp, build_model
 from tests._dist import run_distributed
+from titan_dmuon.models.llama3 import apply_tp, build_model
 
 pytestmark = pytest.mark.slow
 

@@ -115,7 +115,7 @@ def _plain_logits(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from models.llama3 import apply_tp, build_model
+    from titan_dmuon.models.llama3 import apply_tp, build_model
 
     torch.manual_seed(0)
     ref = build_model("tinymodel", vocab_size=66, device="cpu", max_seq_len=8)

@@ -1,6 +1,6 @@
 """The start of a run: every layout builds on meta, each rank materializes only its share, and the initial
 weights are bitwise the same on 1 process, FSDP 4, HSDP 2x2, dp2 x tp2 and 2 x 2 x 2 (values are a function
-of (seed, FQN) only: titan_dmuon/init.py).
+of (seed, FQN) only: titan_dmuon/components/initialization.py).
 
 The Trainer's own build runs in each rank (tests/_dist.py); the full state dict is gathered in-process. A small
 init tile (8 x 16) makes every matrix span several tiles, so shards start and end inside tiles.
@@ -31,12 +31,12 @@ def initial_weights(argv: list[str]) -> dict[str, torch.Tensor]:
     """Build the Trainer (model, parallelism, materialization, optimizer) and return the full state dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    import titan_dmuon.init
+    import titan_dmuon.components.initialization
     from titan_dmuon import dmuon
     from titan_dmuon.config import parse_args
     from titan_dmuon.trainer import Trainer
 
-    tile, titan_dmuon.init.TILE = titan_dmuon.init.TILE, TILE
+    tile, titan_dmuon.components.initialization.TILE = titan_dmuon.components.initialization.TILE, TILE
     trainer = None
     try:
         trainer = Trainer(parse_args(argv))
@@ -44,7 +44,7 @@ def initial_weights(argv: list[str]) -> dict[str, torch.Tensor]:
             return dmuon.get_model_state_dict(trainer.model)
         return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     finally:
-        titan_dmuon.init.TILE = tile
+        titan_dmuon.components.initialization.TILE = tile
         if trainer is not None:
             trainer.close()
 
@@ -84,10 +84,10 @@ def test_eight_ranks_2x2x2_start_bitwise_like_one_process(tmp_path, reference) -
 
 def test_one_process_start_is_init_weights_after_manual_seed(reference, monkeypatch) -> None:
     """The trainer's start equals the family's unsharded init_weights after torch.manual_seed(seed)."""
-    import titan_dmuon.init
-    from models.llama3 import build_model
+    import titan_dmuon.components.initialization
+    from titan_dmuon.models.llama3 import build_model
 
-    monkeypatch.setattr(titan_dmuon.init, "TILE", TILE)
+    monkeypatch.setattr(titan_dmuon.components.initialization, "TILE", TILE)
     torch.manual_seed(7)
     model = build_model("tinymodel", vocab_size=258, device="cpu", max_seq_len=32)
     _assert_bitwise(model.state_dict(), reference, "init_weights")

@@ -1,5 +1,5 @@
-"""The planner's activation estimate (models/llama3/memory.py) against the bytes a real forward leaves for its
-backward (tests/activation_memory.py: every storage an op made that is still alive, de-duplicated; the same
+"""The planner's activation estimate (titan_dmuon/models/llama3/memory.py) against the bytes a real forward leaves for
+its backward (tests/activation_memory.py: every storage an op made that is still alive, de-duplicated; the same
 count as `saved_tensors_hooks` where no AC hides the saved tensors), in bf16 as on a GPU, for one block and for
 the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with sequence parallelism, with and
 without loss parallelism. Each within 10%; `-s` prints the table.
@@ -27,7 +27,7 @@ AC = [("none", "2"), ("full", "2"), ("selective", "op")]
 
 
 def _model(name: str):
-    from models.llama3 import build_model
+    from titan_dmuon.models.llama3 import build_model
 
     flavor, overrides = FLAVORS[name]
     torch.manual_seed(0)
@@ -38,12 +38,12 @@ def _model(name: str):
 
 def _measure(model, mode: str, option: str, tp_mesh=None, loss_parallel: bool = True) -> dict[str, float]:
     """Bytes per token kept by block 0 (checkpointed as `mode`/`option` say) and by the head."""
-    from models.llama3 import blocks
     from titan_dmuon.components.model import cross_entropy_loss
+    from titan_dmuon.models.llama3 import blocks
     from titan_dmuon.parallel.parallelize import apply_ac
 
     if tp_mesh is not None:
-        from models.llama3 import apply_tp
+        from titan_dmuon.models.llama3 import apply_tp
 
         apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
     apply_ac(blocks(model)[:1], mode, option)
@@ -77,7 +77,7 @@ def _measure(model, mode: str, option: str, tp_mesh=None, loss_parallel: bool = 
 
 
 def _estimate(model, mode: str, option: str, tp: int, loss_parallel: bool = True) -> dict[str, float]:
-    from models.llama3.memory import activation_estimate
+    from titan_dmuon.models.llama3.memory import activation_estimate
 
     est = activation_estimate(
         model, batch=B, seq_len=T, dtype_bytes=2, tp=tp, ac_mode=mode, ac_option=option, loss_parallel=loss_parallel

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama3 import SPEC, build_model
 from tests._dist import run_distributed
 from tests._scripts import load_script
-from titan_dmuon.hf import export_hf, load_hf_weights
+from titan_dmuon.components.hf import export_hf, load_hf_weights
+from titan_dmuon.models.llama3 import SPEC, build_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -1,10 +1,10 @@
 """The trainer's initial weights against the documented Llama-3 init, drawn here with plain torch on each full
-matrix (not with titan_dmuon/init.py, materialize or the family's param_inits).
+matrix (not with titan_dmuon/components/initialization.py, materialize or the family's param_inits).
 
 test_start.py holds every layout to the 1-process start, and the 1-process start to `init_weights`: both sides
 run the same `param_inits` and `fill_`, so a wrong std (a missing depth scale, a cutoff taken in units of
 std) passes there. The reference here is the documented distribution of each parameter (torchtitan's Llama-3
-init, models/llama3/model.py):
+init, titan_dmuon/models/llama3/model.py):
 
   tok_embeddings          normal(0, 1)
   attention.wq/wk/wv, w1  trunc_normal(0, 0.02), cut at +-2 (absolute, as nn.init.trunc_normal_)
@@ -12,8 +12,8 @@ init, models/llama3/model.py):
   norms                   1
   output                  trunc_normal(0, dim^-0.5), cut at +-3 dim^-0.5
 
-and the topology-invariant seeding rule of titan_dmuon/init.py's docstring: a matrix is cut into tiles of
-TILE rows x columns (every tinymodel matrix fits in one), and tile (i, j) of parameter `fqn` is drawn from a
+and the topology-invariant seeding rule of titan_dmuon/components/initialization.py's docstring: a matrix is cut into
+tiles of TILE rows x columns (every tinymodel matrix fits in one), and tile (i, j) of parameter `fqn` is drawn from a
 torch.Generator seeded with the 8-byte little-endian BLAKE2b of "seed\\0fqn\\0i\\0j" (63 bits). Checked on one
 process and on 2 ranks (FSDP2 shards, DMuon owners): bitwise against that draw, and, independently of the
 seeding rule, each matrix's sample std against its documented std.
@@ -33,7 +33,7 @@ from tests.train_args import tiny_train_argv
 pytestmark = pytest.mark.slow
 
 SEED, VOCAB, DIM, LAYERS, HIDDEN = 7, 258, 64, 2, 192  # tinymodel with the byte tokenizer: ffn 2/3 * 4 * 64 -> 192
-TILE = (512, 2048)  # titan_dmuon.init.TILE as documented; asserted in the ranks
+TILE = (512, 2048)  # titan_dmuon.components.initialization.TILE as documented; asserted in the ranks
 
 
 def _argv(dump: str, world: int) -> list[str]:
@@ -42,12 +42,12 @@ def _argv(dump: str, world: int) -> list[str]:
 
 def _initial_weights(rank: int, world: int, dump: str) -> dict[str, torch.Tensor] | None:
     """The Trainer's start (build on meta, parallelize, materialize), gathered whole on rank 0."""
-    import titan_dmuon.init
+    import titan_dmuon.components.initialization
     from titan_dmuon import dmuon
     from titan_dmuon.config import parse_args
     from titan_dmuon.trainer import Trainer
 
-    assert tuple(titan_dmuon.init.TILE) == TILE
+    assert tuple(titan_dmuon.components.initialization.TILE) == TILE
     trainer = Trainer(parse_args(_argv(dump, world)))
     try:
         full = dmuon.get_model_state_dict(trainer.model)
@@ -58,7 +58,7 @@ def _initial_weights(rank: int, world: int, dump: str) -> dict[str, torch.Tensor
 
 # ------------------------------------------------------------------------------------------- the reference
 def _documented() -> dict[str, tuple[str, float, float]]:
-    """FQN -> (kind, std, cutoff): the Llama-3 init of models/llama3 as documented, for tinymodel."""
+    """FQN -> (kind, std, cutoff): the Llama-3 init of titan_dmuon/models/llama3 as documented, for tinymodel."""
     out: dict[str, tuple[str, float, float]] = {"tok_embeddings.weight": ("normal", 1.0, math.inf)}
     for layer in range(LAYERS):
         scaled = 0.02 / math.sqrt(2 * (layer + 1))

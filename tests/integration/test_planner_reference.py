@@ -11,8 +11,8 @@ numel x element size of the model's own parameters, counted here:
              those the rank owns globally + AdamW's two moments per FSDP2 element + the gradients (FSDP2 shards
              and the owners' fp32 reduced grads)
   peak       resident + the packed-buffer transient the plan replays + FSDP2's root unit gathered (params and
-             grads of everything Muon does not take) + the family's activation estimate (models/llama3/memory.py,
-             called here)
+             grads of everything Muon does not take) + the family's activation estimate
+             (titan_dmuon/models/llama3/memory.py, called here)
   traffic    per rank and step (README.md and docs/dmuon.md, "Bytes per step"), P_M = the Muon matrices' elements:
              DMuon Z3 broadcasts 2 (N-1)/N P_M and reduces (N-1)/N P_M; HSDP adds (R-1)/R P_col for the replicate
              reduce and as much for the publish (the reduces may carry one has-grad flag per matrix: M more
@@ -54,7 +54,7 @@ def _plan(tmp_path, replicate: int) -> dict:
 
 
 def _model():
-    from models.llama3 import build_model
+    from titan_dmuon.models.llama3 import build_model
 
     return build_model("tinymodel", vocab_size=258, device="meta", max_seq_len=SEQ)
 
@@ -101,7 +101,7 @@ def _expected(replicate: int, shard: int, owners: dict) -> dict:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout):
-    from models.llama3.memory import activation_estimate
+    from titan_dmuon.models.llama3.memory import activation_estimate
 
     replicate, shard = LAYOUTS[layout]
     plan = _plan(tmp_path, replicate)

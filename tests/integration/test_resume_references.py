@@ -1,4 +1,4 @@
-"""Saving and resuming against references that do not run the checkpoint code (titan_dmuon/checkpoint.py).
+"""Saving and resuming against references that do not run the checkpoint code (titan_dmuon/components/checkpoint.py).
 
 test_checkpoint.py compares a resumed run with a straight run that also saved: a save that changes the live
 state (rounds the optimizer state, re-seeds or advances a generator, advances the data loader) before it
@@ -220,8 +220,8 @@ def _reference_training(steps: int):
     GLOBAL_BATCH copies of the step's window, mean cross-entropy, the global grad norm clipped to max_norm."""
     import torch.nn.functional as F
 
-    from models.llama3 import build_model
     from tests.reference import fp32_torch_muon, reference_optimizers
+    from titan_dmuon.models.llama3 import build_model
 
     stream, _ = _stream()
     model = build_model("tinymodel", vocab_size=258, device="meta", max_seq_len=SEQ)

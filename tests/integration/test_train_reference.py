@@ -4,7 +4,7 @@ test_train.py checks that every layout reproduces train.py's 1-process run: cons
 correctness: a plain, unsharded model trained in this process by `torch.optim.Muon` (its Newton-Schulz swapped
 for an fp32 Polar Express iteration written below) on the Muon matrices + `torch.optim.AdamW` on the rest,
 with the warmup-stable-decay schedule, the clipping and the loss written below too. Only the model
-(models/llama3, initialized the way the trainer does: meta -> to_empty -> manual_seed(seed) -> init_weights)
+(titan_dmuon/models/llama3, initialized the way the trainer does: meta -> to_empty -> manual_seed(seed) -> init_weights)
 and the token windows (titan_dmuon.data, which is not what is under test) come from the project.
 
 Every hyper-parameter is passed to train.py explicitly (HPARAMS below), so the reference does not depend on
@@ -126,8 +126,8 @@ def _polar_express_fp32(grad, ns_coefficients, ns_steps, eps):
 
 def reference_run(max_norm: float) -> tuple[list[float], list[float]]:
     """(losses, grad norms) of STEPS steps on the global batch, one process, no parallelism."""
-    from models.llama3 import build_model
     from titan_dmuon.data import build_dataloader, build_tokenizer
+    from titan_dmuon.models.llama3 import build_model
 
     tokenizer = build_tokenizer(H["tokenizer"])
     loader = build_dataloader(

@@ -1,11 +1,11 @@
 """The model registry: one ModelSpec per family, looked up by `model.name` (torchtitan's train spec, smaller).
 
 A family (a package under models/) registers its ModelSpec when imported; `get_model_spec(name)` imports
-`models.<name>` on first use. Everything the framework needs to know about a family goes through the spec:
+`titan_dmuon.models.<name>` on first use. Everything the framework needs to know about a family goes through the spec:
 how to build a flavor, how each parameter is initialized, where its transformer blocks are (activation
 checkpointing, compile, FSDP2 and DMuon's hook boundaries all use them), which matrices are Muon targets by
 default, its TP plan, its loss and an activation-memory estimate for the dry-run planner.
-models/README.md shows how to add a family.
+titan_dmuon/models/README.md shows how to add a family.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_dmuon.components.initialization import ParamInit
 from titan_dmuon.config import ConfigError, JobConfig
-from titan_dmuon.init import ParamInit
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -41,8 +41,8 @@ class ModelSpec:
 
     The model `build` returns must take `tokens [B, T]` (int64) and return what `loss_fn` takes with the
     labels. The trainer builds it on meta, parallelizes it there, and then each rank allocates only its share
-    and fills it from `param_inits` (titan_dmuon/init.py: values are a function of (seed, FQN), whatever the
-    cluster shape) and `init_buffers`.
+    and fills it from `param_inits` (titan_dmuon/components/initialization.py: values are a function of (seed, FQN),
+    whatever the cluster shape) and `init_buffers`.
     """
 
     name: str
@@ -80,7 +80,7 @@ class ModelSpec:
     says it has no estimate."""
     state_dict_adapter: Callable[[nn.Module], Any] | None = None
     """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
-    the HF config.json (titan_dmuon/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and
+    the HF config.json (titan_dmuon/components/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and
     scripts/convert_checkpoint.py use it); None = the family has no HF counterpart."""
 
 
@@ -96,12 +96,16 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
+_FAMILIES = "titan_dmuon.models"
+"""The package whose subpackages are the model families."""
+
+
 def _import_families() -> None:
     """Import every package/module under models/, so each registers its spec."""
-    import models
+    import titan_dmuon.models as models
 
     for info in pkgutil.iter_modules(models.__path__):
-        importlib.import_module(f"models.{info.name}")
+        importlib.import_module(f"{_FAMILIES}.{info.name}")
 
 
 def available_models() -> list[str]:
@@ -111,12 +115,12 @@ def available_models() -> list[str]:
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """The spec registered as `name`, importing `models.<name>` if needed; ValueError lists what exists."""
+    """The spec registered as `name`, importing `titan_dmuon.models.<name>` if needed; ValueError lists what exists."""
     if name not in _REGISTRY and name.isidentifier():
         try:
-            importlib.import_module(f"models.{name}")
+            importlib.import_module(f"{_FAMILIES}.{name}")
         except ModuleNotFoundError as e:
-            if e.name not in ("models", f"models.{name}"):  # the family exists but an import inside it failed
+            if e.name not in (_FAMILIES, f"{_FAMILIES}.{name}"):  # the family exists but an import inside it failed
                 raise
     if name not in _REGISTRY:
         raise ValueError(f"unknown model family {name!r}; registered families: {', '.join(available_models())}")

@@ -54,7 +54,7 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family: a registered ModelSpec (models/<name> registers itself; models/README.md adds one)."""
+    """Model family: a registered ModelSpec (models/<name> registers itself; titan_dmuon/models/README.md adds one)."""
     flavor: str = "debugmodel"
     """Size preset of that family (its ModelSpec's flavors, e.g. debugmodel, 8B, 70B)."""
     tokenizer: str = "byte"
@@ -244,7 +244,8 @@ class Comm:
 
 @dataclass
 class Checkpoint:
-    """[checkpoint]: sharded DCP checkpoints (titan_dmuon/checkpoint.py); train.py resumes from the newest one."""
+    """[checkpoint]: sharded DCP checkpoints (titan_dmuon/components/checkpoint.py); train.py resumes from the newest
+    one."""
 
     enable: bool = False
     """Save checkpoints every `interval` steps and at the last step, and resume from the newest complete one in

@@ -454,9 +454,9 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
     """For entry points: a ConfigError prints `config error: ...` to stderr and exits with status 2; so does tyro
-    for an unknown or malformed flag, with its own message. Under our launchers (titan_dmuon/exit_status.py) both
-    messages go to the launcher, which prints each distinct one once, instead of once per rank."""
-    from titan_dmuon.exit_status import ENV, report
+    for an unknown or malformed flag, with its own message. Under our launchers (titan_dmuon/parallel/exit_status.py)
+    both messages go to the launcher, which prints each distinct one once, instead of once per rank."""
+    from titan_dmuon.parallel.exit_status import ENV, report
 
     captured = io.StringIO()
     capture = bool(os.environ.get(ENV))

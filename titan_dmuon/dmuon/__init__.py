@@ -24,20 +24,20 @@ from .api import (
     replicate,
     replicate_tp,
 )
-from .checkpoint import (
+from .clip import clip_grad_norm_
+from .ddp import replicate_no_sync
+from .fsdp2_patch import install_patch
+from .meta_init import init_dedicated_params
+from .muon import Muon
+from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
+from .param import DedicatedParam
+from .state import state_of, unwrap
+from .state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from .clip import clip_grad_norm_
-from .ddp import replicate_no_sync
-from .fsdp2_patch import install_patch
-from .materialize import init_dedicated_params
-from .muon import Muon
-from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
-from .param import DedicatedParam
-from .state import state_of, unwrap
 
 install_patch()
 

@@ -1,7 +1,7 @@
 """Parallelism: ParallelDims -> one DeviceMesh; parallelize(model): TP -> AC -> compile -> optimizer -> FSDP2, on
-the meta device; materialize(model): each rank allocates and initializes its share."""
+the meta device (titan_dmuon/components/initialization.py then allocates each rank's share); the distributed
+runtime (runtime.py: process groups, timeouts, heartbeat, teardown)."""
 
-from .materialize import global_index, materialize
 from .parallel_dims import MESH_DIM_NAMES, ParallelDims
 from .parallelize import apply_ac, apply_compile, apply_fsdp, fsdp_blocks, parallelize
 
@@ -12,7 +12,5 @@ __all__ = [
     "apply_compile",
     "apply_fsdp",
     "fsdp_blocks",
-    "global_index",
-    "materialize",
     "parallelize",
 ]

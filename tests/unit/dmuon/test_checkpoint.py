@@ -1,4 +1,4 @@
-"""dmuon's state dicts on one rank (titan_dmuon.dmuon.checkpoint). Full: keys as a plain `model.state_dict()`
+"""dmuon's state dicts on one rank (titan_dmuon.dmuon.state_dict). Full: keys as a plain `model.state_dict()`
 (also through a torch DDP wrapper), a round trip that resumes bitwise, cpu_offload and copies, the setters'
 errors. Sharded (DCP): a fresh optimizer's dict is a complete template aliasing live state, a dcp.save/load
 round trip resumes bitwise, the setters' errors, the full-only options refused."""

@@ -1,4 +1,4 @@
-"""titan_dmuon/checkpoint.py and the data loader's global position, in one process (the train.py runs are in
+"""titan_dmuon/components/checkpoint.py and the data loader's global position, in one process (the train.py runs are in
 tests/integration/test_checkpoint.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_dmuon.checkpoint import complete_steps, read_metadata, step_folders, validate_checkpoint_config
+from titan_dmuon.components.checkpoint import complete_steps, read_metadata, step_folders, validate_checkpoint_config
 from titan_dmuon.config import ConfigError, parse_args
 from titan_dmuon.data import build_dataloader, build_tokenizer
 
@@ -155,7 +155,7 @@ class _Loader:
 def _manager(rank: int, world: int, dump, *args: str, value: float = 1.0):
     import types
 
-    from titan_dmuon.checkpoint import CheckpointManager
+    from titan_dmuon.components.checkpoint import CheckpointManager
 
     cfg = parse_args(["--job.dump_folder", str(dump), "--checkpoint.enable", "true", *args])
     return CheckpointManager(
@@ -194,8 +194,8 @@ def _slow_save(rank: int, world: int, dump, async_mode: str):
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from titan_dmuon.checkpoint import CheckpointManager
-    from titan_dmuon.parallel.process_group import set_collective_timeout
+    from titan_dmuon.components.checkpoint import CheckpointManager
+    from titan_dmuon.parallel.runtime import set_collective_timeout
 
     manager = _manager(rank, world, dump, "--checkpoint.async_mode", async_mode, "--checkpoint.timeout_seconds", "60")
     set_collective_timeout(1.0)
@@ -233,7 +233,7 @@ def test_save_outlasting_the_training_timeout(tmp_path, async_mode):
 
 
 def _save_without_shared_folder(rank: int, world: int, dump):
-    from titan_dmuon.checkpoint import CheckpointError
+    from titan_dmuon.components.checkpoint import CheckpointError
 
     manager = _manager(rank, world, dump)
     if rank == 1:
@@ -261,7 +261,7 @@ def test_checkpoint_folder_not_shared_is_an_error_on_every_rank(tmp_path):
 
 
 def _initial_load_not_shared(rank: int, world: int, dump, initial):
-    from titan_dmuon.checkpoint import CheckpointError
+    from titan_dmuon.components.checkpoint import CheckpointError
 
     if rank == 1:
         _hide_from_this_rank(initial.parent)
@@ -287,7 +287,7 @@ def test_initial_load_path_seen_by_one_rank_only_is_an_error_on_every_rank(tmp_p
 def _save_with_unwritable_folder(rank: int, world: int, dump):
     from pathlib import Path
 
-    from titan_dmuon.checkpoint import CheckpointError
+    from titan_dmuon.components.checkpoint import CheckpointError
 
     manager = _manager(rank, world, dump)
     if rank == 0:
@@ -390,7 +390,7 @@ def test_pinned_memory_stager_is_made_once_and_closed(tmp_path):
 def test_memory_rows_of_a_save_are_one_summary_line() -> None:
     """1,024 ranks' rows are one log line: [min, median, max] of each figure and the worst growth beyond the rank's
     own state share, naming the rank."""
-    from titan_dmuon.checkpoint import _memory_summary
+    from titan_dmuon.components.checkpoint import _memory_summary
 
     rows = [
         {

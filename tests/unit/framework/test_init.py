@@ -1,4 +1,4 @@
-"""Topology-invariant init (titan_dmuon/init.py, titan_dmuon/parallel/materialize.py): any part of a parameter
+"""Topology-invariant init (titan_dmuon/components/initialization.py): any part of a parameter
 filled on its own equals that part of the whole parameter filled at once, and a rank's FSDP2 / TP / FSDP-over-TP
 (strided) shard is told which global rows and columns it holds."""
 
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import titan_dmuon.init as init
-from titan_dmuon.init import constant, fill_, full_index, normal, trunc_normal, uniform
+import titan_dmuon.components.initialization as init
+from titan_dmuon.components.initialization import constant, fill_, full_index, normal, trunc_normal, uniform
 
 INITS = [normal(0.5), trunc_normal(0.02), trunc_normal(1.0, a=-1.5, b=0.5), uniform(-0.3, 0.1)]
 
@@ -84,7 +84,7 @@ def check_rank(rank: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from titan_dmuon.parallel import global_index
+    from titan_dmuon.components.initialization import global_index
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.llama3 import build_model, get_model_args, llama3_configs
-from models.llama3.model import Transformer
+from titan_dmuon.models.llama3 import build_model, get_model_args, llama3_configs
+from titan_dmuon.models.llama3.model import Transformer
 
 # 8B, untied: 2 * 128256 * 4096 (embeddings + output) + 4096 (final norm)
 #   + 32 * (4096*4096*2 + 4096*1024*2 (attention) + 3 * 4096*14336 (SwiGLU) + 2 * 4096 (norms))

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
+from titan_dmuon.components.lr_scheduler import build_lr_scheduler, lr_factor, resolve_phases
 from titan_dmuon.config import LRScheduler
-from titan_dmuon.lr_scheduler import build_lr_scheduler, lr_factor, resolve_phases
 
 
 def factors(cfg, total, steps):

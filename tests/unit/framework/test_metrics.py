@@ -5,8 +5,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from titan_dmuon.config import Metrics
-from titan_dmuon.metrics import (
+from titan_dmuon.components.metrics import (
     MetricsLogger,
     device_memory_stats,
     get_peak_flops,
@@ -14,6 +13,7 @@ from titan_dmuon.metrics import (
     peak_flops_for_name,
     throughput_metrics,
 )
+from titan_dmuon.config import Metrics
 
 
 class FakeClock:
@@ -51,7 +51,7 @@ def test_tensorboard_and_console(tmp_path, caplog):
             "dmuon/ns_time_s": 0.25,
         },
     }
-    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.components.metrics"):
         m.log(1, rows[1])
         clock.t += 30.0  # 30 s per step -> 18 steps left -> 9 minutes
         m.log(2, rows[2])
@@ -80,7 +80,7 @@ def test_tensorboard_and_console(tmp_path, caplog):
 
 
 def test_non_zero_rank_and_disabled_tensorboard_write_nothing(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.components.metrics"):
         m = MetricsLogger(Metrics(), str(tmp_path / "r1"), rank=1, total_steps=5)
         m.log(1, {"loss/train": 1.0})
         m.close()
@@ -138,7 +138,7 @@ def test_console_line_names_both_lrs_progress_and_total(tmp_path, caplog):
         "progress/tokens_seen": 40960.0,
         "progress/elapsed_s": 83.4,
     }
-    with caplog.at_level(logging.INFO, logger="titan_dmuon.metrics"):
+    with caplog.at_level(logging.INFO, logger="titan_dmuon.components.metrics"):
         m.log(5, scalars)
     m.log_text("config", "    [job]\n    dump_folder = 'x'\n")
     m.close()

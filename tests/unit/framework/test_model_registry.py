@@ -8,8 +8,7 @@ import re
 import pytest
 import torch
 
-import models.llama3 as llama3
-from models.tiny_mlp import TinyMLP, is_muon_target
+import titan_dmuon.models.llama3 as llama3
 from titan_dmuon.components.model import (
     available_models,
     check_flavor,
@@ -17,6 +16,7 @@ from titan_dmuon.components.model import (
     get_model_spec,
     register_model_spec,
 )
+from titan_dmuon.models.tiny_mlp import TinyMLP, is_muon_target
 
 
 def _muon_params(spec, model) -> list[str]:
@@ -69,7 +69,8 @@ def test_tiny_mlp_spec_trains_a_token_model() -> None:
 
 
 def test_quickstart_tiny_mlp_unchanged() -> None:
-    """models.tiny_mlp still exports the quick-start TinyMLP (a scalar loss of a float input) and its predicate."""
+    """titan_dmuon.models.tiny_mlp still exports the quick-start TinyMLP (a scalar loss of a float input) and its
+    predicate."""
     torch.manual_seed(0)
     model = TinyMLP(d=8, ff=16, n_layers=2)
     assert model(torch.randn(3, 8)).ndim == 0

@@ -16,7 +16,7 @@ from titan_dmuon.parallel import ParallelDims
 from titan_dmuon.parallel.failures import CommFailureError, comm_failure_kind, comm_failures, describe_comm_failure
 from titan_dmuon.parallel.heartbeat import Heartbeat
 from titan_dmuon.parallel.layout import RankPlace, check_node_layout, describe_layout, mesh_groups, node_names
-from titan_dmuon.parallel.process_group import set_collective_timeout
+from titan_dmuon.parallel.runtime import set_collective_timeout
 
 
 def _dims(cfg_replicate, world: int, per_node: int | None, shard: int = -1, tp: int = 1) -> ParallelDims:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama3 import MUON_PARAMS, blocks, build_model
 from titan_dmuon.components.optimizer import muon_predicate
 from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.models.llama3 import MUON_PARAMS, blocks, build_model
 from titan_dmuon.parallel import ParallelDims, apply_ac
 
 

@@ -1,4 +1,4 @@
-"""destroy_process_groups (titan_dmuon/parallel/process_group.py) frees every group while the interpreter is alive.
+"""destroy_process_groups (titan_dmuon/parallel/runtime.py) frees every group while the interpreter is alive.
 
 A gloo group still referenced after `dist.destroy_process_group()` (by a DeviceMesh, FSDP2's mesh info, DMuon's
 state) keeps its worker threads into the interpreter's teardown, where a worker releasing a finished collective's
@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_dmuon.parallel.process_group import destroy_process_groups
+    from titan_dmuon.parallel.runtime import destroy_process_groups
 
 
     def gloo_threads():

@@ -2,8 +2,8 @@ import json
 
 import torch
 
+from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_dmuon.config import Profiling
-from titan_dmuon.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 
 def run_steps(prof, first, last):

@@ -158,9 +158,9 @@ class OptimizerComponent:
     def over_ranks(self, prefix: str, values: dict[str, float], keys: Sequence[str]) -> dict[str, float]:
         """This rank's `values` as figures of the whole job: `<prefix>/<key>` is the max over all ranks (the
         slowest or busiest rank, which the step waits for) and, with more than one rank, `<prefix>_mean/<key>`
-        the mean. One all_gather of a [len(keys)] vector (titan_dmuon.metrics.max_and_mean_over_ranks); every
+        the mean. One all_gather of a [len(keys)] vector (titan_dmuon.components.metrics.max_and_mean_over_ranks); every
         rank passes the same `keys` (a key a rank lacks counts over the ranks that have it)."""
-        from titan_dmuon.metrics import max_and_mean_over_ranks
+        from titan_dmuon.components.metrics import max_and_mean_over_ranks
 
         device = self.mesh.device_type if self.mesh is not None else "cpu"
         maxes, means = max_and_mean_over_ranks(values, keys, device)

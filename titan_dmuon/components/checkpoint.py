@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
-from titan_dmuon.parallel.process_group import new_group_with_timeout, raised_collective_timeout
+from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -616,8 +616,8 @@ class CheckpointManager:
         return "dcp"
 
     def _initial_load_hf(self, path: Path) -> tuple[int, int]:
-        """The weights of a Hugging Face folder, each rank reading its share (titan_dmuon/hf.py)."""
-        from titan_dmuon.hf import load_hf_weights
+        """The weights of a Hugging Face folder, each rank reading its share (titan_dmuon/components/hf.py)."""
+        from titan_dmuon.components.hf import load_hf_weights
 
         spec = self.optim.spec
         if spec.state_dict_adapter is None:

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def apply_tp(
     model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
 ) -> nn.Module:
-    """Shard ``model`` (a ``models.llama3.Transformer``) over the 1D ``tp_mesh`` in place and return it.
+    """Shard ``model`` (a ``titan_dmuon.models.llama3.Transformer``) over the 1D ``tp_mesh`` in place and return it.
 
     Attention/FFN input projections are column-parallel and output projections row-parallel, so each rank
     holds ``n_heads // tp`` query heads and ``n_kv_heads // tp`` kv heads; attention infers its local head

@@ -1,9 +1,9 @@
 """Llama-3 decoder-only transformer, without any parallelism code.
 
-Parallelism (TP, FSDP2, DMuon) is applied from outside by FQN: see ``parallelize.py``. The model is built on
+Parallelism (TP, FSDP2, DMuon) is applied from outside by FQN: see ``tensor_parallel.py``. The model is built on
 the meta device and parallelized there; each rank then materializes and initializes only its share, from the
-per-FQN distributions ``param_inits`` declares (titan_dmuon/init.py), so nothing here may depend on parameter
-values at construction time.
+per-FQN distributions ``param_inits`` declares (titan_dmuon/components/initialization.py), so nothing here may depend
+on parameter values at construction time.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_dmuon.init import ParamInit, constant, init_params, normal, trunc_normal
+from titan_dmuon.components.initialization import ParamInit, constant, init_params, normal, trunc_normal
 
 
 @dataclass

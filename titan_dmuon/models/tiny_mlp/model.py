@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from titan_dmuon.init import ParamInit, constant, init_params, normal, uniform
+from titan_dmuon.components.initialization import ParamInit, constant, init_params, normal, uniform
 
 
 class Block(nn.Module):

@@ -1,7 +1,7 @@
 """Hugging Face weights: export a state dict as safetensors + config.json, and load a published folder into a
 (sharded) model state dict.
 
-A model family's `ModelSpec.state_dict_adapter` maps its FQNs and layouts to HF's (models/llama3/
+A model family's `ModelSpec.state_dict_adapter` maps its FQNs and layouts to HF's (titan_dmuon/models/llama3/
 state_dict_adapter.py). `load_hf_weights` fills the template `OptimizerComponent.model_state_dict()` returns,
 on every rank, reading only that rank's share from the memory-mapped safetensors files: a plain slice where
 the conversion is a rename, the HF rows its rows come from where it moves rows (the RoPE q/k permutation: a

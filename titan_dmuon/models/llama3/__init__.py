@@ -12,8 +12,8 @@ from titan_dmuon.components.model import ModelSpec, register_model_spec
 
 from .memory import ActivationEstimate, activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
-from .parallelize import apply_tp
 from .state_dict_adapter import Llama3StateDictAdapter
+from .tensor_parallel import apply_tp
 
 LLAMA3_VOCAB_SIZE = 128256
 

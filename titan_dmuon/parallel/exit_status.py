@@ -80,7 +80,7 @@ def collect(folder: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m titan_dmuon.exit_status collect`: the run's status from `$TITAN_DMUON_STATUS_DIR`;
+    """`python -m titan_dmuon.parallel.exit_status collect`: the run's status from `$TITAN_DMUON_STATUS_DIR`;
     `... signal SIGNAME`: signal this node's training processes (node: `SLURMD_NODENAME`, else the host name)."""
     folder = Path(os.environ[ENV])
     if argv[:1] == ["collect"]:
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         signal_node(folder, int(getattr(signal, argv[1] if argv[1].startswith("SIG") else f"SIG{argv[1]}")), node)
         return 0
-    print("usage: python -m titan_dmuon.exit_status collect | signal SIGNAME", file=sys.stderr)
+    print("usage: python -m titan_dmuon.parallel.exit_status collect | signal SIGNAME", file=sys.stderr)
     return 2
 
 

@@ -6,7 +6,7 @@ are permuted within each head: our row 2i + c (pair i, component c) is HF row c 
 permutation `transformers`' convert_llama_weights_to_hf applies to Meta's checkpoints. wv, wo and the rest
 are the same matrices under other names.
 
-`titan_dmuon/hf.py` drives the adapter (export_hf, load_hf_weights); `scripts/convert_checkpoint.py` converts
+`titan_dmuon/components/hf.py` drives the adapter (export_hf, load_hf_weights); `scripts/convert_checkpoint.py` converts
 DCP checkpoints with it. It works on whole tensors: a caller that holds a shard reads plain slices where
 `needs_full_tensor` is false, and where it is true the HF rows its rows come from (`from_hf` permutes rows only).
 """
