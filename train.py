@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from titan_dmuon.config import ConfigError, parse_args_or_exit
+from titan_dmuon.config import ConfigError, parse_args_or_exit, report_config_error
 
 logger = logging.getLogger("train")
 
@@ -27,11 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
     if cfg.job.dry_run:
         return _dry_run(cfg)
-    return report(*_train(cfg))
+    try:
+        return report(*_train(cfg))
+    except ConfigError as e:  # the trainer is closed by now; a launcher prints each distinct message once
+        return report_config_error(e)
 
 
 def _train(cfg) -> tuple[int, str | None]:
-    """(exit status, the one-line message to print for it, if not logged already)."""
+    """(exit status, the one-line message to print for it, if not logged already); a ConfigError propagates."""
     from titan_dmuon.parallel.failures import CommFailureError
     from titan_dmuon.parallel.preemption import StopRequested
     from titan_dmuon.trainer import Trainer, TrainingDivergedError, set_up_logging
@@ -42,9 +45,9 @@ def _train(cfg) -> tuple[int, str | None]:
         trainer = Trainer(cfg)
         trainer.train()
         graceful = True
-    except ConfigError as e:  # a launcher prints each distinct message once
+    except ConfigError:  # reported by main
         graceful = True
-        return 2, f"config error: {e}"
+        raise
     except StopRequested as e:  # a stop signal: every rank stopped after the same step, saved
         graceful = True
         if trainer.rank == 0:
@@ -72,8 +75,7 @@ def _dry_run(cfg) -> int:
     try:
         return dry_run(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(e)
 
 
 if __name__ == "__main__":

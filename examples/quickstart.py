@@ -27,9 +27,9 @@ def main() -> None:
     torch.manual_seed(42)
     model = TinyMLP().to(device)
     dmuon.dedicate_params(model, mesh, predicate=is_muon_target)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for block in dmuon.fsdp_units(model):  # the layers FSDP2 still has enough of (here: none, only LayerNorms)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root unit: the head and the layers' LayerNorms
     optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, ns_steps=5, adamw_lr=1e-3)
     torch.manual_seed(rank)
     target = torch.randn(64, 256, device=device)

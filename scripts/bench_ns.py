@@ -19,8 +19,8 @@ Triton needs a GPU (its interpreter is for tests, not timing).
 `--check` first runs the Triton kernels on `--device` against float64 (the checks of
 tests/unit/dmuon/test_ns_triton.py, which run them under the CPU interpreter, here on the real GPU: square, ragged,
 tall, wide and batched/strided products in fp32/bf16/fp16, each operand precision, the full product, the whole NS
-against tests/reference.py) and prints PASS/FAIL per check and what `kernel="auto"` resolves to
-(`get_ns_backend`); on CPU it needs TRITON_INTERPRET=1. `--check-only` stops there.
+against the independent reference NS of titan_dmuon/dmuon/ns_reference.py) and prints PASS/FAIL per check and what
+`kernel="auto"` resolves to (`get_ns_backend`); on CPU it needs TRITON_INTERPRET=1. `--check-only` stops there.
 
 Prints a table and one summary line `bench_ns ...: speed-up of gram over direct Ax, of batched over one-by-one Bx,
 of triton over torch Cx` (time of the first over time of the second, summed over every shape).
@@ -48,6 +48,7 @@ from titan_dmuon.dmuon.newton_schulz import (  # noqa: E402
     zeropower_via_newtonschulz,
 )
 from titan_dmuon.dmuon.ns_ops import resolve_kernel, triton_unusable  # noqa: E402
+from titan_dmuon.dmuon.ns_reference import reference_ns  # noqa: E402
 
 # (short, long) of each distinct Muon matrix of a Llama-3 block: dim, kv width (8 heads x 128), ffn hidden
 LLAMA3 = {
@@ -68,7 +69,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_kernels(device: torch.device) -> bool:
     """The Triton kernels on `device` against float64 references (tolerances of tests/unit/dmuon/test_ns_triton.py);
     prints one PASS/FAIL line per check and what kernel="auto" picks; True when every check passed."""
-    from tests.reference import reference_ns
     from titan_dmuon.dmuon import kernels
 
     syrk, why = kernels.load()

@@ -49,15 +49,16 @@ def _reset_peak() -> None:
 
 
 def _held_bytes(model, optimizer_component) -> float:
-    """Bytes of the tensors this rank holds: local shards of the params (the dedicated ones: the masters this
-    rank keeps), and the buffers."""
+    """Bytes of the tensors this rank holds: local shards of the params (the dedicated ones: the fp32 master
+    that every rank of a matrix's owner column keeps, `in_owner_column`, of its local size `numel`), and the
+    buffers."""
     from torch.distributed.tensor import DTensor
 
     from titan_dmuon import dmuon
 
     dps = dmuon.get_dedicated_params(model)
     own = {dp.param for dp in dps}
-    total = sum(dp._owned_data.numel() * 4 for dp in dps if dp._owned_data is not None)
+    total = sum(dp.numel * 4 for dp in dps if dp.in_owner_column)
     for p in model.parameters():
         if p not in own:
             local = p.to_local() if isinstance(p, DTensor) else p

@@ -3,12 +3,16 @@
 What it measures, in one run on the same N ranks (same TinyMLP init, same per-rank data, same
 number of steps for every configuration):
 
-  dmuon             dmuon.dedicate_params (Z3 by default) on the "proj" matrices, then FSDP2 as train.py
-                    applies it: each layer is left with its LayerNorm only, so only the root is a unit
-                    (titan_dmuon.parallel.fsdp_blocks); dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
+  dmuon             the README's library pattern: dmuon.dedicate_params (Z3 by default) on the "proj" matrices,
+                    fully_shard on each of dmuon.fsdp_units(model) (each layer is left with its LayerNorm only,
+                    so none: the blocks train.py shards too, titan_dmuon.parallel.fsdp_blocks), then on the
+                    model; dmuon.Muon(lr=0.02, adamw_lr=1e-3, ns_coefficients="muon").
   dmuon_z2          the same with reshard_after_forward=False (only with --z2).
   dmuon_1by1        dmuon with its owner Newton-Schulz one matrix a call (only with --one-by-one).
-  naive_fsdp2_muon  every param fully_shard-ed by FSDP2 (each layer a unit, then the root); at step time
+  dmuon_per_layer   dmuon with every layer fully_shard-ed (the older, slower pattern: each layer an FSDP2 unit
+                    holding only its LayerNorm), then the root (only with --per-layer).
+  naive_fsdp2_muon  every param fully_shard-ed by FSDP2 (the same loop: with nothing dedicated
+                    dmuon.fsdp_units(model) is every layer, each a unit, then the root); at step time
                     each Muon-target grad shard is all-gathered (DTensor.full_tensor()), every rank runs
                     momentum + the same Newton-Schulz on the full matrix and applies its own shard of the
                     update; AdamW (foreach) on the rest: the `muon_naive` optimizer component's NaiveMuon
@@ -33,7 +37,8 @@ prints the per-rank per-step DMuon ledger of the HSDP run (dmuon.comm_stats: ele
 docs/dmuon.md, "Bytes per step") next to that section's HSDP formulas: shard reduce (G-1)/G*P_M, shard
 broadcast 2(G-1)/G*P_M (Z3: forward + backward re-broadcast), replicate reduce and publish (R-1)/R*P_col
 each, P_col = dedicated elements owned by the rank's shard column (summed over a replicate row of G ranks:
-(R-1)/R*P_M). G = N/R is the shard size.
+(R-1)/R*P_M). G = N/R is the shard size. The two reduces also carry one has-grad flag per matrix (M in all,
+M_col in the rank's column): (G-1)/G*(P_M+M) and (R-1)/R*(P_col+M_col).
 
 DMuon Z3 resident/ideal: after the last step, per rank, bytes of the fp32 master of each matrix the rank owns
 (numel x 4: dmuon.get_owned_params) + their Muon momentum buffers + any packed group buffer storage still
@@ -53,6 +58,7 @@ Run (spawns its own gloo ranks on a free localhost port; one CPU thread per rank
     python3 scripts/bench_step.py --nproc 4 --hsdp 2   # also DMuon on HSDP (2, 2), sync and async publish
     python3 scripts/bench_step.py --ns-dtype bfloat16  # every Muon config's Newton-Schulz in bf16
     python3 scripts/bench_step.py --one-by-one         # also DMuon with its owner NS one matrix a call
+    python3 scripts/bench_step.py --per-layer          # also DMuon with every layer its own FSDP2 unit
     python3 scripts/bench_step.py --nproc 4 --steps 10 --warmup 3 --d 256 --ff 1024 --layers 4 --batch 8
     python3 scripts/bench_step.py --device cuda --nproc 1 --d 2048 --ff 8192 --batch 4096 --trace /tmp/trace
 """
@@ -65,7 +71,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,9 +84,7 @@ if REPO_ROOT not in sys.path:
 
 from titan_dmuon import dmuon  # noqa: E402
 from titan_dmuon.components.optimizer import NaiveMuon  # noqa: E402
-from titan_dmuon.dmuon.newton_schulz import NS_MAX_BATCH_ELEMENTS  # noqa: E402
 from titan_dmuon.models.tiny_mlp import TinyMLP, is_muon_target  # noqa: E402
-from titan_dmuon.parallel import fsdp_blocks  # noqa: E402
 
 # Hyper-parameters shared by every configuration (dmuon.Muon's defaults, spelled out for every optimizer).
 MUON_LR, MOMENTUM, NS_STEPS, NS_COEFFS, NS_EPS = 0.02, 0.95, 5, "muon", 1e-7
@@ -108,19 +112,21 @@ def make_batch(step: int, rank: int, args: argparse.Namespace) -> torch.Tensor:
     return torch.randn(args.batch, args.d, generator=g).to(rank_device(args))
 
 
-def shard_all(model: TinyMLP, mesh, dedicated: Iterable[nn.Parameter] = ()) -> None:
-    """FSDP2 as train.py applies it (titan_dmuon.parallel.fsdp_blocks): each layer its own unit while FSDP2
-    shards enough of it (under DMuon a layer keeps only its LayerNorm, which joins the root unit), then the root."""
+def shard_all(model: TinyMLP, mesh, per_layer: bool = False) -> None:
+    """FSDP2 exactly as README.md's library example (and examples/quickstart.py) applies it, after any
+    dedicate_params: each of dmuon.fsdp_units(model) its own unit (every layer when nothing is dedicated; none
+    under DMuon, where a layer keeps only its LayerNorm, which joins the root unit), then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in fsdp_blocks([(f"layers.{i}", m) for i, m in enumerate(model.layers)], set(dedicated)):
-        fully_shard(layer, mesh=mesh)
+    for block in model.layers if per_layer else dmuon.fsdp_units(model):
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
 # ---- the three configurations ----------------------------------------------------------------------------
 def dmuon_optimizer(model: nn.Module, args: argparse.Namespace, **options) -> dmuon.Muon:
-    """dmuon.Muon with the shared hyper-parameters and --ns-dtype / --ns-max-batch-elements (`options` override)."""
+    """dmuon.Muon with the shared hyper-parameters and --ns-dtype / --ns-max-batch-elements (`options` override;
+    a None option is left to the library's default)."""
     kwargs = dict(
         lr=MUON_LR,
         adamw_lr=ADAMW_LR,
@@ -128,23 +134,24 @@ def dmuon_optimizer(model: nn.Module, args: argparse.Namespace, **options) -> dm
         ns_dtype=ns_dtype(args),
         ns_max_batch_elements=args.ns_max_batch_elements,
     )
-    return dmuon.Muon(model, **{**kwargs, **options})
+    kwargs = {k: v for k, v in {**kwargs, **options}.items() if v is not None}
+    return dmuon.Muon(model, **kwargs)
 
 
-def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None):
+def build_dmuon(mesh, args: argparse.Namespace, z3: bool = True, max_batch: int | None = None, per_layer: bool = False):
     model = make_model(args)
-    owners = dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
-    shard_all(model, mesh, owners)
+    dmuon.dedicate_params(model, mesh, predicate=is_muon_target, reshard_after_forward=z3)
+    shard_all(model, mesh, per_layer)
     return model, dmuon_optimizer(model, args, ns_max_batch_elements=max_batch or args.ns_max_batch_elements)
 
 
 def build_dmuon_hsdp(mesh2d, args: argparse.Namespace, replicate_async: bool):
     """DMuon (Z3) on the ("replicate", "shard") mesh, as tests/dmuon_harness.py builds HSDP."""
     model = make_model(args)
-    owners = dmuon.dedicate_params(
+    dmuon.dedicate_params(
         model, mesh2d["shard"], predicate=is_muon_target, replicate_mesh=mesh2d["replicate"], reshard_after_forward=True
     )
-    shard_all(model, mesh2d, owners)
+    shard_all(model, mesh2d)
     return model, dmuon_optimizer(model, args, replicate_async=replicate_async)
 
 
@@ -300,6 +307,8 @@ def hsdp_checks(runs: dict, results: dict, mesh2d, world: int) -> dict:
         z3=True,  # build_dmuon_hsdp: reshard_after_forward=True
         p_m=sum(dp.numel for dp in dps),
         p_col=sum(dp.numel for dp in dps if dp.in_owner_column),
+        m=len(dps),  # the reduces carry one has-grad flag per matrix: M in all, M_col in the rank's column
+        m_col=sum(1 for dp in dps if dp.in_owner_column),
         ledger=s["ledgers"][-1],
         steady=all(led == s["ledgers"][-1] for led in s["ledgers"]),  # the same every timed step
         async_same=a["ledgers"] == s["ledgers"],  # the async run's ledgers equal the sync run's, step by step
@@ -351,6 +360,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             builders.append(("dmuon_z2", lambda: build_dmuon(mesh, args, z3=False)))
         if args.one_by_one:
             builders.append(("dmuon_1by1", lambda: build_dmuon(mesh, args, max_batch=args.d * args.ff)))
+        if args.per_layer:
+            builders.append(("dmuon_per_layer", lambda: build_dmuon(mesh, args, per_layer=True)))
         builders += [
             ("naive_fsdp2_muon", lambda: build_naive(mesh, args)),
             ("fsdp2_adamw", lambda: build_adamw(mesh, args)),
@@ -389,7 +400,7 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
     held."""
     ranks = hsdp["ranks"]
     R, G = ranks[0]["replicate_size"], ranks[0]["shard_size"]
-    p_m, z3 = ranks[0]["p_m"], ranks[0]["z3"]
+    p_m, m, z3 = ranks[0]["p_m"], ranks[0]["m"], ranks[0]["z3"]
     s, a = results["hsdp_sync"]["loss"], results["hsdp_async"]["loss"]
     ok_bits = hsdp["loss_bitwise"] and hsdp["state_bitwise"] and s == a
     print(
@@ -402,7 +413,8 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
     )
     print(
         f"HSDP {R}x{G} DMuon ledger, elements per rank per step (ledger rule: (k-1)/k*P per collective "
-        f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (expected: docs/dmuon.md, Bytes per step, HSDP)"
+        f"over k ranks), P_M={p_m}, {'Z3' if z3 else 'Z2'}; got (expected: docs/dmuon.md, Bytes per step, HSDP; "
+        f"the reduces also carry one has-grad flag per matrix, M={m} in all, M_col in a column)"
     )
     kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast")
     print(f"{'rank':>4} {'(shard,rep)':>11} {'P_col':>9}" + "".join(f"{k:>27}" for k in kinds) + "  check")
@@ -411,24 +423,25 @@ def report_hsdp(hsdp: dict, results: dict, args: argparse.Namespace) -> bool:
         led, p_col = r["ledger"], r["p_col"]
         want = {
             "broadcast": (2 if z3 else 1) * (G - 1) / G * p_m,
-            "reduce": (G - 1) / G * p_m,
-            "replicate_reduce": (R - 1) / R * p_col,
+            "reduce": (G - 1) / G * (p_m + m),
+            "replicate_reduce": (R - 1) / R * (p_col + r["m_col"]),
             "replicate_broadcast": (R - 1) / R * p_col,
         }
         ok = all(math.isclose(led[k], want[k], rel_tol=1e-12, abs_tol=1e-9) for k in kinds)
         ok = ok and all(v == 0 for k, v in led.items() if k not in kinds) and r["steady"] and r["async_same"]
         ok_all = ok_all and ok
-        cells = "".join(f"{f'{led[k]:.0f} ({want[k]:.0f})':>27}" for k in kinds)
+        cells = "".join(f"{f'{led[k]:.1f} ({want[k]:.1f})':>27}" for k in kinds)
         print(f"{rank:>4} {str(r['coord']):>11} {p_col:>9}{cells}  {'ok' if ok else 'MISMATCH'}")
     for row_i in range(R):
         row = [r for r in ranks if r["coord"][1] == row_i]
         sums = {k: sum(r["ledger"][k] for r in row) for k in ("replicate_reduce", "replicate_broadcast")}
-        want = (R - 1) / R * p_m
-        ok = len(row) == G and all(math.isclose(v, want, rel_tol=1e-12, abs_tol=1e-9) for v in sums.values())
+        want = {"replicate_reduce": (R - 1) / R * (p_m + m), "replicate_broadcast": (R - 1) / R * p_m}
+        ok = len(row) == G and all(math.isclose(v, want[k], rel_tol=1e-12, abs_tol=1e-9) for k, v in sums.items())
         ok_all = ok_all and ok
         print(
-            f"  replicate row {row_i} ({len(row)} ranks): replicate_reduce {sums['replicate_reduce']:.0f}, "
-            f"replicate_broadcast {sums['replicate_broadcast']:.0f} ((R-1)/R*P_M = {want:.0f})  "
+            f"  replicate row {row_i} ({len(row)} ranks): replicate_reduce {sums['replicate_reduce']:.1f} "
+            f"((R-1)/R*(P_M+M) = {want['replicate_reduce']:.1f}), replicate_broadcast "
+            f"{sums['replicate_broadcast']:.0f} ((R-1)/R*P_M = {want['replicate_broadcast']:.0f})  "
             f"{'ok' if ok else 'MISMATCH'}"
         )
     steady = all(r["steady"] for r in ranks)
@@ -485,9 +498,11 @@ def report(
         )
     d, n, a = results["dmuon"]["total"], results["naive_fsdp2_muon"]["total"], results["fsdp2_adamw"]["total"]
     z2 = ""
-    for extra in ("dmuon_z2", "dmuon_1by1"):
+    for extra in ("dmuon_z2", "dmuon_1by1", "dmuon_per_layer"):
         if extra in results:
             z2 += f"{extra} {results[extra]['total'] * ms:.1f} ms, "
+    if "dmuon_per_layer" in results:
+        z2 += f"naive/dmuon_per_layer {n / results['dmuon_per_layer']['total']:.2f}x, "
     print(
         f"bench_step N={world} d={args.d} ff={args.ff} layers={args.layers}: dmuon {d * ms:.1f} ms, {z2}"
         f"naive_fsdp2_muon {n * ms:.1f} ms, fsdp2_adamw {a * ms:.1f} ms | naive/dmuon {n / d:.2f}x, "
@@ -521,8 +536,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--ns-max-batch-elements",
         type=int,
-        default=NS_MAX_BATCH_ELEMENTS,
-        help="dmuon.Muon's bound on one batched owner NS call (d*ff: one matrix a call, one by one)",
+        default=None,
+        help="dmuon.Muon's bound on one batched owner NS call (default: the library's; d*ff: one matrix a call)",
     )
     p.add_argument("--trace", default="", metavar="DIR", help="also write a torch.profiler chrome trace per rank here")
     p.add_argument("--trace-steps", type=int, default=3, help="DMuon steps in the trace (default 3)")
@@ -532,6 +547,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also time DMuon with its owner NS one matrix a call (dmuon_1by1: ns_max_batch_elements = d*ff)",
     )
     p.add_argument("--z2", action="store_true", help="also time DMuon-Z2 (reshard_after_forward=False)")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also time DMuon with every layer its own FSDP2 unit (dmuon_per_layer: the slower, older pattern)",
+    )
     p.add_argument(
         "--hsdp",
         type=int,

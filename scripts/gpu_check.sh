@@ -13,7 +13,8 @@
 #   compat  the torch APIs this code relies on (private FSDP2/DTensor ones included) on this torch
 #   (a) parity   the DMuon parity runs of tests/distributed on NCCL (TITAN_DMUON_TEST_BACKEND=nccl, one rank per
 #                GPU, TF32 off, fp32 NS) against the single-process torch.optim.Muon reference: 1D FSDP2 (Z3, Z2)
-#                on every GPU, DDP on >= 2, TP (dp x 2) on >= 2, HSDP (2, N/2) on >= 4; SKIP lines otherwise
+#                on every GPU, DDP on >= 2, TP (dp x 2) on >= 2, HSDP (2, N/2) on >= 4; SKIP lines otherwise.
+#                The test suite's own driver runs them (python -m tests.gpu_parity N): this script imports no test
 #   (b) step     scripts/bench_step.py: DMuon vs naive FSDP2 + Muon vs FSDP2 + AdamW ms/step, with a trace
 #   (c) overlap  scripts/trace_overlap.py on that trace: DMuon's NCCL time overlapped with compute
 #   (d) ns       scripts/bench_ns.py --check: the Triton kernels on the GPU against float64, get_ns_backend and
@@ -201,104 +202,10 @@ EOF
 section compat 90 "$PY" "$WORK/compat.py"
 
 # ---- (a) parity on NCCL (gloo on CPU) ----------------------------------------------------------------------
-cat >"$WORK/parity.py" <<'EOF'
-"""The DMuon parity runs of tests/distributed on this backend, with the measured errors against the reference."""
-import sys
-import time
-import traceback
-
-from tests._dist import backend_name, run_distributed
-from tests.dmuon_harness import assert_matches_reference, merge_momentum, parity_rtol, reference, train
-from tests.reference import rel_err
-
-STEPS = 8
-failed = []
-
-
-def errors(results, losses, norms, sd, momentum):
-    """Worst relative error of each compared quantity, over ranks and steps."""
-    err = dict(loss=0.0, grad_norm=0.0, weights=0.0, momentum=0.0)
-    for r in results:
-        for a, b in zip(r["losses"], losses, strict=True):
-            err["loss"] = max(err["loss"], abs(a - b) / abs(b))
-        for a, b in zip(r["norms"], norms, strict=True):
-            err["grad_norm"] = max(err["grad_norm"], abs(a - b) / abs(b))
-    assert set(results[0]["sd"]) == set(sd), "state dict keys differ"
-    for k, v in sd.items():
-        err["weights"] = max(err["weights"], rel_err(results[0]["sd"][k], v))
-    for step, want in enumerate(momentum):
-        got = merge_momentum([r["momentum"][step] for r in results])
-        assert set(got) == set(want), f"step {step}: momentum of {sorted(set(got) ^ set(want))}"
-        for k, v in want.items():
-            err["momentum"] = max(err["momentum"], rel_err(got[k], v))
-    return err
-
-
-def run(name, world, fn):
-    rtol = parity_rtol()
-    t0 = time.perf_counter()
-    try:
-        err = fn()
-        worst = max(err.values())
-        status = "PASS" if worst <= rtol else "FAIL"
-        figures = ", ".join(f"{k} {v:.1e}" for k, v in err.items())
-        print(f"{status} {name} on {world} rank(s): max rel err {figures} (rtol {rtol:g}) [{time.perf_counter() - t0:.0f} s]")
-    except Exception:  # noqa: BLE001
-        status = "FAIL"
-        print(f"FAIL {name} on {world} rank(s) [{time.perf_counter() - t0:.0f} s]:\n{traceback.format_exc()}")
-    if status != "PASS":
-        failed.append(name)
-
-
-def harness(layout, shape, **kw):
-    def fn():
-        world = 1
-        for s in shape:
-            world *= s
-        results = run_distributed(train, world, layout, shape, STEPS, **kw)
-        ref = reference(world, STEPS)
-        assert_matches_reference(results, ref)  # the tests' own check, at this backend's tolerance
-        return errors(results, ref["losses"], ref["norms"], ref["sd"], ref["momentum"])
-
-    return fn
-
-
-def tp(layout, shape):
-    def fn():
-        from tests.distributed import test_dmuon_tp as t
-
-        results = run_distributed(t._train, shape[0] * shape[1], layout, shape)
-        losses, sd, norms, momentum = t._reference(shape[0])
-        return errors(results, losses, norms, sd, momentum)
-
-    return fn
-
-
-def main(n):
-    print(f"backend {backend_name()}, up to {n} rank(s), {STEPS} steps, norm-wise rtol {parity_rtol():g}")
-    run("1D FSDP2 Z3 (test_dmuon_fsdp)", n, harness("fsdp", (n,), z3=True))
-    run("1D FSDP2 Z2 (test_dmuon_fsdp)", n, harness("fsdp", (n,), z3=False))
-    if n >= 2:
-        run("DDP, dmuon.replicate (test_dmuon_hsdp_ddp)", n, harness("ddp", (n,)))
-        run(f"TP dp x tp = {n // 2} x 2 (test_dmuon_tp)", n // 2 * 2, tp("dp_tp", (n // 2, 2)))
-    else:
-        print("SKIP DDP (needs >= 2 GPUs)")
-        print("SKIP TP (needs >= 2 GPUs: dp x tp = 1 x 2)")
-    if n >= 4:
-        run(f"HSDP 2 x {n // 2}, async publish (test_dmuon_hsdp_ddp)", n // 2 * 2, harness("hsdp", (2, n // 2)))
-    else:
-        print("SKIP HSDP (needs >= 4 GPUs: replicate x shard = 2 x 2)")
-    print(f"parity: {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":  # the ranks are spawned: they re-import this file as a module
-    sys.exit(main(int(sys.argv[1])))
-EOF
 if [ "$MODE" = cuda ]; then
-    section "a: parity on NCCL" $((150 + 20 * N)) env TITAN_DMUON_TEST_BACKEND=nccl "$PY" "$WORK/parity.py" "$N"
+    section "a: parity on NCCL" $((150 + 20 * N)) env TITAN_DMUON_TEST_BACKEND=nccl "$PY" -m tests.gpu_parity "$N"
 else
-    section "a: parity on gloo (CPU)" 300 env TITAN_DMUON_TEST_BACKEND=gloo "$PY" "$WORK/parity.py" "$N"
+    section "a: parity on gloo (CPU)" 300 env TITAN_DMUON_TEST_BACKEND=gloo "$PY" -m tests.gpu_parity "$N"
 fi
 
 # ---- (b) step time, with a trace; (c) the overlap in that trace ----------------------------------------------

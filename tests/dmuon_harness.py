@@ -7,8 +7,9 @@ grad norm (before the step) and the owners' momentum buffers (after it).
 NS normalizes its input, so a grad reduced with the wrong scale (SUM instead of AVG) leaves losses and
 weights almost unchanged: only the grad norms and the momentum buffers show it.
 
-Under TITAN_DMUON_TEST_BACKEND=nccl (tests/_dist.py) the ranks build on `cuda:rank` with fp32 Newton-Schulz
-(DMuon's CUDA default is bf16; the reference's is fp32) and the parity tolerance is `parity_rtol()`."""
+DMuon runs fp32 Newton-Schulz here on every device (its default is bf16 on CUDA and on CPUs with native bf16
+matmuls; the reference's is fp32). Under TITAN_DMUON_TEST_BACKEND=nccl (tests/_dist.py) the ranks build on
+`cuda:rank` and the parity tolerance is `parity_rtol()`."""
 
 from __future__ import annotations
 
@@ -138,8 +139,8 @@ def build_muon(model, options: dict | None = None, **extra):
     from titan_dmuon import dmuon
 
     kwargs = muon_kwargs(options)
-    if rank_device().type == "cuda":
-        extra.setdefault("ns_dtype", torch.float32)  # the reference's NS dtype (DMuon's CUDA default is bf16)
+    # the reference's NS dtype, on every device (the default is bf16 on CUDA and on CPUs with native bf16)
+    extra.setdefault("ns_dtype", torch.float32)
     groups = kwargs.pop("groups", ())
     matched = match_groups(model.named_parameters(), groups)
     param_groups = [

@@ -46,7 +46,6 @@ from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
 from titan_dmuon.parallel import ParallelDims, fsdp_blocks, parallelize
 from titan_dmuon.parallel.layout import describe_layout
-from titan_dmuon.parallel.parallelize import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def _activation_estimate(spec: ModelSpec, model: torch.nn.Module, cfg: JobConfig
     kwargs = dict(
         batch=t.local_batch_size,
         seq_len=t.seq_len,
-        dtype_bytes=DTYPES[t.mixed_precision_param].itemsize,
+        dtype_bytes=dmuon.to_dtype(t.mixed_precision_param).itemsize,
         tp=tp,
         ac_mode=ac.mode,
         ac_option=ac.selective_ac_option,
@@ -395,8 +394,8 @@ def plan_memory(
     coords = mesh.coords()
     t = cfg.training
     z3 = cfg.optimizer.dmuon.reshard_after_forward
-    param_dtype = DTYPES[t.mixed_precision_param]
-    reduce_dtype = DTYPES[t.mixed_precision_reduce]
+    param_dtype = dmuon.to_dtype(t.mixed_precision_param)
+    reduce_dtype = dmuon.to_dtype(t.mixed_precision_reduce)
     e_param = param_dtype.itemsize
     e_reduce = reduce_dtype.itemsize
 

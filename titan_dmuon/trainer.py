@@ -1,13 +1,15 @@
 """The training loop, built in an explicit order like torchtitan's Trainer.
 
-    trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, dist, mesh, seed, tokenizer,
-    try:                     # data, meta model, parallelize, materialize, optimizer, lr, checkpoint (loads the
-        trainer.train()      # newest complete one: the run resumes), metrics  (profiler: train())
+    trainer = Trainer(cfg)   # model spec + optimizer component (by name), device, distributed runtime, mesh, seed,
+    try:                     # tokenizer, data (+ validator), meta model, parallelize, materialize, optimizer, lr,
+        trainer.train()      # checkpoint (loads the newest complete one: the run resumes), metrics (profiler: train())
     finally:
-        trainer.close()      # a checkpoint in flight, optimizer component, metrics, process group
+        trainer.close()      # a checkpoint in flight, optimizer component, metrics, the runtime (heartbeat, group)
 
 The trainer knows neither the model family nor the optimizer: it asks the family's ModelSpec
-(titan_dmuon/components/model.py) and the optimizer component (titan_dmuon/components/optimizer/).
+(titan_dmuon/components/model.py) and the optimizer component (titan_dmuon/components/optimizer/). The process
+group, its timeouts and the heartbeat are the DistributedRuntime's (titan_dmuon/parallel/runtime.py); validation is
+the Validator's (titan_dmuon/components/validate.py).
 Every rank runs the same steps and the same collectives; a non-finite loss or grad norm (identical on every
 rank after the reductions) stops all ranks at the same step with `TrainingDivergedError`, before the
 optimizer step.
@@ -27,26 +29,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titan_dmuon.components.checkpoint import CheckpointManager, validate_checkpoint_config
+from titan_dmuon.components.checkpoint import CheckpointManager, check_async_mode
+from titan_dmuon.components.dataloader import build_job_dataloader, global_batch_size
 from titan_dmuon.components.initialization import materialize
 from titan_dmuon.components.lr_scheduler import build_lr_scheduler
 from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_dmuon.components.validate import Validator, build_validator
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
-from titan_dmuon.data import DataError, build_dataloader, build_tokenizer
+from titan_dmuon.data import DataError, build_tokenizer
 from titan_dmuon.parallel import ParallelDims, parallelize
-from titan_dmuon.parallel.failures import comm_failures, describe_comm_failure
-from titan_dmuon.parallel.heartbeat import Heartbeat
-from titan_dmuon.parallel.layout import check_node_layout, describe_layout, gather_places, node_names, this_place
+from titan_dmuon.parallel.layout import check_node_layout, describe_layout
 from titan_dmuon.parallel.preemption import StopRequested, StopSignals
-from titan_dmuon.parallel.runtime import (
-    destroy_process_groups,
-    init_process_group,
-    ranks_per_node,
-    set_collective_timeout,
-)
+from titan_dmuon.parallel.runtime import DistributedRuntime, ranks_per_node
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +62,12 @@ class Trainer:
         self.elapsed_before = 0.0  # training wall time of the runs this one resumes (from the checkpoint)
         self._train_start: float | None = None  # when this run's training loop started (perf_counter)
         self.checkpointer: CheckpointManager | None = None
-        self._owns_process_group = False
         self.metrics: MetricsLogger | None = None
-        self.optim = None  # the optimizer component (self.optimizer is its torch.optim.Optimizer)
-        self.heartbeat: Heartbeat | None = None
-        self.place = this_place()
-        self.collective_timeout = float(cfg.comm.init_timeout_seconds)
+        self.optimizer_component = None  # chosen by optimizer.name; self.optimizer is its torch.optim.Optimizer
+        self.validator: Validator | None = None
+        self.runtime = DistributedRuntime(cfg.comm)  # process group, timeouts, heartbeat, teardown
         try:
-            with comm_failures(self._describe_comm_failure):  # a dead or hung peer: CommFailureError
+            with self.runtime.comm_failures():  # a dead or hung peer: CommFailureError
                 self._build()
         except BaseException as e:  # e.g. a ConfigError found after dist init: leave no process group behind
             self.close(graceful=isinstance(e, ConfigError))
@@ -90,18 +85,24 @@ class Trainer:
             check_flavor(self.spec, cfg.model.flavor)
         except ValueError as e:
             raise ConfigError(f"model.flavor: {e}") from None
-        self.optim = build_optimizer_component(cfg, self.spec)
-        validate_checkpoint_config(cfg)
+        self.optimizer_component = build_optimizer_component(cfg, self.spec)
+        cfg.checkpoint.validate()  # also for a config that did not come through parse_args
+        check_async_mode(cfg)
         # 1. Device.
         self.device = self._init_device()
-        # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group.
-        self._init_distributed()
+        # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group; a group
+        #    the caller made (e.g. a test harness) is used and left to it.
+        self.runtime.init(self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # 3. Degrees and the one mesh (replicate, shard, tp); TP ranks of a DP group share data.
         self.dims = ParallelDims.from_config(cfg, self.world_size, ranks_per_node())
         self.mesh = self.dims.build_mesh(self.device.type)
-        # 3b. Where the ranks run (one all_gather_object), checked for replicate = "nodes", logged; the heartbeat.
-        self._set_up_layout_and_failures()
+        # 3b. Where the ranks run (one all_gather_object, the heartbeat started before it), checked for replicate =
+        #     "nodes", logged.
+        places = self.runtime.meet()
+        if cfg.parallelism.data_parallel_replicate_degree == "nodes":
+            check_node_layout(self.dims, places)
+        logger.info("%s", describe_layout(self.dims, self.runtime.hosts))
         self.dp_rank, self.dp_world_size = self.dims.dp_coordinates(self.mesh)
         logger.info("%s; %s", cfg.job.description, self.dims.describe())
         # 4. Seed (the same on every rank: the initial weights are drawn from it) and determinism.
@@ -114,27 +115,19 @@ class Trainer:
             raise ConfigError(f"model.tokenizer: {e}") from None
         # 5b. Data, checked before the model is built (a bad dataset is a config error, not a late traceback): this
         #     DP rank's rows of each global batch of local x DP x accumulation rows (and of the held-out split).
-        self.global_batch_size = t.local_batch_size * self.dp_world_size * t.gradient_accumulation_steps
-        try:
-            self.dataloader = build_dataloader(
-                dataset=t.dataset,
-                dataset_path=t.dataset_path,
-                dataset_field=t.dataset_field,
-                tokenizer=self.tokenizer,
-                dp_rank=self.dp_rank,
-                dp_world_size=self.dp_world_size,
-                local_batch_size=t.local_batch_size,
-                seq_len=t.seq_len,
-                global_batch_size=self.global_batch_size,
-                split="train",
-                seed=self.seed,
-                text_documents=t.text_documents,
-                num_workers=t.num_workers,
-                pin_memory=self.device.type == "cuda",
-            )
-        except DataError as e:
-            raise ConfigError(f"training data: {e}") from None
-        self.val_dataloader = self._build_val_dataloader() if cfg.validation.enable else None
+        self.global_batch_size = global_batch_size(cfg, self.dp_world_size)
+        self.dataloader = build_job_dataloader(
+            cfg,
+            "train",
+            tokenizer=self.tokenizer,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            seed=self.seed,
+            device=self.device,
+        )
+        self.validator = build_validator(
+            cfg, self.tokenizer, self.dp_rank, self.dp_world_size, self.device, self.seed, self._eval_loss
+        )
         # 6. Model, on the meta device: nothing is allocated yet.
         model = build_meta_model(self.spec, cfg, self.tokenizer.vocab_size)
         self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
@@ -146,7 +139,7 @@ class Trainer:
             self.flops_per_token,
         )
         # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer's prepare (DMuon records ownership) -> FSDP2.
-        self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optim)
+        self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optimizer_component)
         #     Loss parallel (TP): the model's logits stay sharded over the vocabulary (see `_loss_parallel`).
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         #     On CUDA, each rank's memory plan against its GPU's free memory, before anything is allocated: a plan
@@ -156,9 +149,9 @@ class Trainer:
         # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, its owner column's DMuon
         #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
         #     starts from the same weights on any cluster shape (titan_dmuon/components/initialization.py).
-        materialize(self.model, self.spec, self.optim, self.device, self.seed)
+        materialize(self.model, self.spec, self.optimizer_component, self.device, self.seed)
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
-        self.optimizer = self.optim.build()
+        self.optimizer = self.optimizer_component.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # 10. MFU's peak and the clipping norm.
         self.peak_flops = get_peak_flops(self.device)
@@ -167,7 +160,7 @@ class Trainer:
         #     from checkpoint.initial_load_path): weights, optimizer, schedule, data position, step, RNG.
         self.checkpointer = CheckpointManager(
             cfg,
-            optim=self.optim,
+            optim=self.optimizer_component,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader,
             dp_rank=self.dp_rank,
@@ -197,34 +190,6 @@ class Trainer:
             return device
         return torch.device("cpu")
 
-    def _init_distributed(self) -> None:
-        if dist.is_initialized():  # the caller made the group (e.g. a test harness): use it, leave it
-            return
-        init_process_group(self.device, self.cfg.comm)  # torchrun (also under srun), or a group of one
-        self._owns_process_group = True
-
-    def _set_up_layout_and_failures(self) -> None:
-        """Gather every rank's host, check replicate = "nodes" against them, log the layout; on a process group
-        this trainer made, bound the mesh's collectives by the init timeout too and start the heartbeat."""
-        if self._owns_process_group:
-            set_collective_timeout(self.collective_timeout)  # the mesh's groups were made with torch's default
-            if self.world_size > 1 and self.cfg.comm.heartbeat_seconds > 0:
-                store = dist.distributed_c10d._get_default_store()
-                self.heartbeat = Heartbeat(store, self.rank, self.world_size, self.cfg.comm.heartbeat_seconds)
-                self.heartbeat.start()
-        places = gather_places()
-        self.hosts = node_names(places)
-        if self.heartbeat is not None:
-            self.heartbeat.watch(self.hosts)
-        if self.cfg.parallelism.data_parallel_replicate_degree == "nodes":
-            check_node_layout(self.dims, places)
-        logger.info("%s", describe_layout(self.dims, self.hosts))
-
-    def _describe_comm_failure(self, exc: BaseException) -> str | None:
-        silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else []
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        return describe_comm_failure(exc, rank, self.place.host, self.collective_timeout, silent)
-
     def _set_determinism(self) -> int:
         seed = self.cfg.training.seed
         if seed is None:  # random, but one value for all ranks
@@ -250,34 +215,6 @@ class Trainer:
             f.write(text)
         self.metrics.log_text("config", "".join(f"    {line}\n" for line in text.splitlines()))
         logger.info("Config in %s", path)
-
-    def _build_val_dataloader(self):
-        t, v = self.cfg.training, self.cfg.validation
-        if v.dataset:  # a dataset of its own: all of it is validation data
-            dataset, path, fraction = v.dataset, v.dataset_path or t.dataset_path, 1.0
-            if dataset != "stdlib" and not path:
-                raise ConfigError(f"validation.dataset_path is required for validation.dataset = {dataset!r}")
-        else:  # the held-out split of the training data
-            dataset, path, fraction = t.dataset, t.dataset_path, 0.02
-        try:
-            return build_dataloader(
-                dataset=dataset,
-                dataset_path=path,
-                dataset_field=t.dataset_field,
-                tokenizer=self.tokenizer,
-                dp_rank=self.dp_rank,
-                dp_world_size=self.dp_world_size,
-                local_batch_size=t.local_batch_size,
-                seq_len=t.seq_len,
-                split="val",
-                seed=self.seed,
-                val_fraction=fraction,
-                text_documents=t.text_documents,
-                num_workers=t.num_workers,
-                pin_memory=self.device.type == "cuda",
-            )
-        except DataError as e:
-            raise ConfigError(f"validation data: {e}") from None
 
     def _check_device_memory(self) -> None:
         from titan_dmuon.planner import check_device_memory
@@ -310,6 +247,11 @@ class Trainer:
             loss = loss.full_tensor()
         return loss
 
+    def _eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The Validator's loss: `_loss` inside `_loss_parallel()`, no backward."""
+        with self._loss_parallel():
+            return self._loss(inputs, labels)
+
     def train_step(self, data_iter) -> tuple[float, float, int]:
         """One optimizer step over gradient_accumulation_steps micro-batches.
 
@@ -324,12 +266,15 @@ class Trainer:
             inputs, labels = next(data_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             # No gradient communication on the micro-batches before the last one (grad accumulation).
-            with self.optim.no_sync() if i < accum - 1 else contextlib.nullcontext(), self._loss_parallel():
+            with (
+                self.optimizer_component.no_sync() if i < accum - 1 else contextlib.nullcontext(),
+                self._loss_parallel(),
+            ):
                 loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
                 loss.backward()
             loss_sum[0] += loss.detach()
             ntokens += labels.numel()
-        grad_norm = self.optim.clip_grad_norm_(self.max_norm)  # global: the same on every rank
+        grad_norm = self.optimizer_component.clip_grad_norm_(self.max_norm)  # global: the same on every rank
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks. A stop signal is
         # sampled here, on every rank after the same step (titan_dmuon/parallel/preemption.py).
         loss_sum[1] = float(self.stop_signals.pending)
@@ -348,27 +293,10 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_value, norm_value, ntokens
 
-    @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Mean loss and perplexity over validation.steps batches of the held-out data (all DP ranks)."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(self.val_dataloader):
-            if i >= self.cfg.validation.steps:
-                break
-            with self._loss_parallel():
-                total[0] += self._loss(inputs.to(self.device), labels.to(self.device)).double()
-            total[1] += 1
-        dist.all_reduce(total)
-        if total[1].item() == 0:
-            logger.warning("validation: the held-out data gave no batch (too short for the batch shape)")
-            return {}
-        mean = (total[0] / total[1]).item()
-        return {"loss/validation": mean, "perplexity/validation": math.exp(min(mean, 700.0))}
-
     # -------------------------------------------------------------------------------------------- loop
     def train(self) -> None:
         """Run training.steps steps; a collective that fails because a peer died or hung raises CommFailureError."""
-        with comm_failures(self._describe_comm_failure):
+        with self.runtime.comm_failures():
             self._train()
 
     def _train(self) -> None:
@@ -391,7 +319,6 @@ class Trainer:
         ):
             self._train_start = time.perf_counter()
             interval_start, interval_tokens = self._train_start, 0
-            first_step = True  # of this process (a resumed run starts past step 1)
             while self.step < t.steps:
                 self.step += 1
                 # The lrs this step trains with (train_step advances the schedule): the first group's of each kind.
@@ -399,10 +326,7 @@ class Trainer:
                 for i, group in enumerate(self.optimizer.param_groups):
                     lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
                 loss, grad_norm, ntokens = self.train_step(data_iter)
-                if first_step and self._owns_process_group:  # set-up and the first step (compile) are done
-                    self.collective_timeout = float(cfg.comm.train_timeout_seconds)
-                    set_collective_timeout(self.collective_timeout)
-                first_step = False
+                self.runtime.use_train_timeout()  # set-up and this process's first step (compile) are done
                 interval_tokens += ntokens
                 self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
@@ -422,11 +346,12 @@ class Trainer:
                         )
                     )
                     scalars.update(device_memory_stats(self.device))
-                    scalars.update(self.optim.step_stats())  # over ranks: one small collective, log steps only
+                    # Over ranks: one small collective, on log steps only.
+                    scalars.update(self.optimizer_component.step_stats())
                     interval_tokens = 0
-                if self.val_dataloader is not None and self.step % cfg.validation.freq == 0:
+                if self.validator is not None and self.validator.due(self.step):
                     val_start = time.perf_counter()
-                    scalars.update(self.validate())
+                    scalars.update(self.validator.validate())
                     interval_start += time.perf_counter() - val_start  # validation is not training time
                 if scalars:
                     self.metrics.log(self.step, scalars)
@@ -459,8 +384,8 @@ class Trainer:
         raise StopRequested(int(signum.item()), self.step, saved)
 
     def close(self, graceful: bool = True) -> None:
-        """Close the optimizer component and the metrics writer, and destroy the process group this trainer
-        created.
+        """Close the optimizer component and the metrics writer, and the runtime (the heartbeat, and the process
+        group it created).
 
         graceful=False (after an unexpected error) talks to no other rank: the peers may be gone or stuck.
         """
@@ -468,22 +393,15 @@ class Trainer:
             if dist.is_initialized():  # an async save still in flight: finished and committed, if all is well
                 self.checkpointer.close(graceful=graceful)
             self.checkpointer = None
-        if self.heartbeat is not None:
-            self.heartbeat.stop(clean=graceful)
-            self.heartbeat = None
+        self.runtime.stop_heartbeat(graceful)
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self.optim is not None:
+        if self.optimizer_component is not None:
             if graceful and dist.is_initialized():  # e.g. an HSDP async publish may still be in flight
-                self.optim.close()
-            self.optim = None
-        if self._owns_process_group and dist.is_initialized():
-            if graceful:  # frees the groups now, joining gloo's threads (see destroy_process_groups)
-                destroy_process_groups()
-            else:
-                dist.destroy_process_group()
-            self._owns_process_group = False
+                self.optimizer_component.close()
+            self.optimizer_component = None
+        self.runtime.close(graceful)  # graceful: frees the groups now, joining gloo's threads
 
 
 def set_up_logging(rank: int | None = None) -> None:

@@ -59,6 +59,7 @@ def _build(world_size: int, *, hook_boundary_predicate=None, param_dtype=None, z
         weight_decay=HP["weight_decay"],
         ns_coefficients="muon",
         adjust_lr_fn="original",
+        ns_dtype=torch.float32,  # the reference's (the default is bf16 on CUDA and native-bf16 CPUs)
         adamw_lr=HP["adamw_lr"],
         adamw_betas=HP["adamw_betas"],
         adamw_eps=HP["adamw_eps"],

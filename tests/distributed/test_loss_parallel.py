@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.train_args import tiny_train_argv
+from tests.train_runs import tiny_train_argv
 
 STEPS = 3
 RTOL = 1e-5
@@ -65,7 +65,7 @@ def _train(dump: str, optimizer: str, disable: bool) -> dict:
             norms.append(norm)
             if step == 0 and optimizer == "adamw":  # this step's grads, still on the params before zero_grad
                 grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
-        val = trainer.validate()["loss/validation"]
+        val = trainer.validator.validate()["loss/validation"]
         if optimizer == "dmuon":
             weights = dmuon.get_model_state_dict(trainer.model)
         else:

@@ -39,36 +39,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.integration.test_train import REPO, read_scalars
+from tests.train_runs import DEBUG_CONFIG, REPO, read_checkpoint, read_scalars, tail, tiny_train_argv
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
-COMMON = [
-    "--config",
-    "train_configs/debug_model.toml",
-    "--model.flavor",
-    "tinymodel",
-    "--training.seq_len",
-    "32",
-    "--training.steps",
-    str(STEPS),
-    "--training.seed",
-    "42",
-    "--metrics.log_freq",
-    "1",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "5",
-    "--comm.heartbeat_seconds",
-    "0",
-]
+
+
+def _argv(dump: str | Path, *extra: str, config: str = DEBUG_CONFIG) -> list[str]:
+    """Every run's arguments: STEPS steps, seed 42, metrics every step, 2 warmup steps, a checkpoint every 5
+    steps, TensorBoard on, no heartbeat; then `extra`."""
+    args = ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+    args += ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    return tiny_train_argv(dump, *args, *extra, seed=42, tensorboard=True, config=config)
 
 
 def _layout(nproc: int, local_batch: int, *args: str) -> tuple[int, list[str]]:
@@ -112,29 +96,13 @@ def _env() -> dict[str, str]:
 
 def launch(layout: str, dump: Path, *args: str, tb: str = "tb", timeout: float = 300) -> subprocess.CompletedProcess:
     nproc, layout_args = LAYOUTS[layout]
-    argv = COMMON + layout_args + ["--job.dump_folder", str(dump), "--metrics.save_tb_folder", tb, *args]
+    argv = _argv(dump, *layout_args, "--metrics.save_tb_folder", tb, *args)
     return subprocess.run(_command(nproc) + argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-
-
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, _tail(proc)
+    assert proc.returncode == 0, tail(proc)
     return proc
-
-
-def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, whole, read by DCP's own reader in this process."""
-    metadata = FileSystemReader(folder).read_metadata()
-    sd = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
-    dcp.load(sd, checkpoint_id=folder, no_dist=True)
-    return sd
 
 
 def checkpoints(dump: Path) -> list[str]:
@@ -221,7 +189,7 @@ def test_kill_during_async_save_resumes_from_the_newest_complete(runs, tmp_path)
     straight = runs.straight("fsdp4")
     nproc, layout_args = LAYOUTS["fsdp4"]
     args = ["--checkpoint.interval", "1", "--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2"]
-    argv = COMMON + layout_args + ["--job.dump_folder", str(tmp_path), *args]
+    argv = _argv(tmp_path, *layout_args, *args)
     job = subprocess.Popen(
         _command(nproc) + argv + ["--metrics.save_tb_folder", "tb-killed"],
         cwd=REPO,
@@ -384,7 +352,7 @@ def test_bad_checkpoint_exits_2_and_changes_nothing(runs, tmp_path, case, args, 
         shutil.rmtree(tmp_path / "checkpoint" / "step-10")
     before = _fingerprint(tmp_path / "checkpoint")
     proc = launch("1proc", tmp_path, *args)
-    assert proc.returncode == 2, _tail(proc)
+    assert proc.returncode == 2, tail(proc)
     assert str(tmp_path / "checkpoint") in proc.stderr
     assert re.search(match, proc.stderr), proc.stderr[-3000:]
     assert _fingerprint(tmp_path / "checkpoint") == before
@@ -465,8 +433,8 @@ def test_relative_dump_folder_with_another_cwd_per_rank(tmp_path):
     for rank in (0, 1):
         (tmp_path / f"n{rank}").mkdir()
     nproc, layout_args = LAYOUTS["fsdp2"]
-    argv = COMMON[2:] + layout_args + ["--config", str(REPO / "train_configs/debug_model.toml")]
-    argv += ["--training.steps", "2", "--checkpoint.interval", "2", "--job.dump_folder", "dump"]
+    argv = _argv("dump", *layout_args, config=str(REPO / DEBUG_CONFIG))
+    argv += ["--training.steps", "2", "--checkpoint.interval", "2"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     _ok(
         subprocess.run(

@@ -8,12 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from tests.integration.test_train import assert_loss_falls, assert_same_run, train
+from tests._scripts import load_script
+from tests.train_runs import assert_loss_falls, assert_same_run, train
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from tests.unit.framework.test_data_shards import prepare_data
+    prepare_data = load_script("prepare_data")  # the one module object the tests share (tests/_scripts.py)
 
     folder = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.train_args import tiny_train_argv
+from tests.train_runs import tiny_train_argv
 
 pytestmark = pytest.mark.slow
 

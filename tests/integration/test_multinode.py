@@ -28,9 +28,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration import fake_slurm
-from tests.integration.test_train import read_scalars, run_train
+from tests.train_runs import REPO, read_scalars, run_train
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "multinode_trainer.slurm"
 COMMON = [
     "--model.flavor",

@@ -33,7 +33,7 @@ import re
 
 import pytest
 
-from tests.integration.test_train import _tail, run_train
+from tests.train_runs import run_train, tail
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def _plan(tmp_path, replicate: int) -> dict:
     argv += ["--parallelism.data_parallel_replicate_degree", str(replicate)]
     argv += ["--job.dry_run", "--job.dry_run_world_size", str(WORLD), "--job.dry_run_json", str(out)]
     proc = run_train(1, argv, timeout=180)
-    assert proc.returncode == 0, _tail(proc)
+    assert proc.returncode == 0, tail(proc)
     return json.loads(out.read_text())
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train import read_scalars
+from tests.train_runs import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40

@@ -45,8 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests._dist import run_distributed
-from tests.integration.test_checkpoint import read_checkpoint
-from tests.integration.test_train_reference import HPARAMS, MUON_PARAMS, flag
+from tests.train_runs import HPARAMS, MUON_PARAMS, flag, read_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +54,8 @@ PY_SEED, NP_SEED = 1234, 5678  # per rank: + rank
 BOS, EOS = 256, 257  # the byte tokenizer's
 LAYOUTS = {"1proc": 1, "fsdp2": 2}  # ranks
 # Every hyper-parameter, passed to train.py and to the reference (none taken from debug_model.toml's defaults): the
-# optimizers' of tests/integration/test_train_reference.py, and a schedule and model settings of this module's own.
+# optimizers' of tests/integration/test_train_reference.py (HPARAMS, tests/train_runs.py), and a schedule and model
+# settings of this module's own.
 HP = {
     **{key: value for key, value in HPARAMS.items() if key.startswith("optimizer.")},
     "lr_scheduler.warmup_steps": 2,  # then decay over the other STEPS - 2 steps (decay_ratio unset), linearly

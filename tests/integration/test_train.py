@@ -21,55 +21,20 @@ Layouts (each with DMuon once, each optimizer at least once):
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-STEPS = 30
-COMMON = [
-    "--config",
-    "train_configs/debug_model.toml",
-    "--model.flavor",
-    "tinymodel",
-    "--training.seq_len",
-    "32",
-    "--training.steps",
-    str(STEPS),
-    "--training.seed",
-    "42",
-    "--metrics.log_freq",
-    "1",
-    "--lr_scheduler.warmup_steps",
-    "5",
-]
-
-
-def run_train(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python train.py` (1 process) or torchrun. A normal 8-rank run takes ~75 s here; the timeout only
-    bounds a hang."""
-    launcher = (
-        [sys.executable, "train.py"]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(launcher + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-
-
-def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    ea.Reload()
-    return {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
+from tests.train_runs import (
+    TRAIN_STEPS,
+    assert_loss_falls,
+    assert_same_run,
+    read_scalars,
+    run_train,
+    tail,
+    train,
+    train_argv,
+)
 
 
 def read_text(tb_dir: Path, tag: str) -> str:
@@ -79,34 +44,6 @@ def read_text(tb_dir: Path, tag: str) -> str:
     ea.Reload()
     (event,) = ea.Tensors(f"{tag}/text_summary")
     return event.tensor_proto.string_val[0].decode()
-
-
-def train(nproc: int, dump: Path, *args: str) -> dict[str, dict[int, float]]:
-    proc = run_train(nproc, COMMON + ["--job.dump_folder", str(dump), *args])
-    assert proc.returncode == 0, _tail(proc)
-    return read_scalars(dump / "tb")
-
-
-def losses(scalars) -> list[float]:
-    loss = scalars["loss/train"]
-    assert sorted(loss) == list(range(1, STEPS + 1))
-    return [loss[s] for s in range(1, STEPS + 1)]
-
-
-def assert_loss_falls(scalars) -> None:
-    values = losses(scalars)
-    first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
-    assert all(math.isfinite(v) for v in values)
-    assert last < 0.85 * first, f"loss did not fall: first 3 {values[:3]}, last 3 {values[-3:]}"
-
-
-def assert_same_run(scalars, ref, rtol: float = 1e-4) -> None:
-    """Losses (and grad norms, 10x looser: they are not averaged) equal to the reference run's, step by step."""
-    for tag, tol in (("loss/train", rtol), ("grad_norm", 10 * rtol)):
-        got, want = scalars[tag], ref[tag]
-        assert sorted(got) == sorted(want)
-        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
-        assert worst <= tol, f"{tag}: max relative difference {worst:.3g} > {tol:g}"
 
 
 def dmuon_total(scalars, key: str) -> float:
@@ -177,7 +114,7 @@ def test_single_process_dmuon(reference, tmp_path_factory) -> None:
     # Warmup (5 steps) from (step+1)/6 of the configured lrs (Muon 0.01, AdamW 3e-3).
     assert reference["lr/muon"][1] == pytest.approx(0.01 / 6)
     assert reference["lr/adamw"][5] == pytest.approx(3e-3 * 5 / 6)
-    assert reference["progress/tokens_seen"][STEPS] == STEPS * 8 * 32
+    assert reference["progress/tokens_seen"][TRAIN_STEPS] == TRAIN_STEPS * 8 * 32
     # Validation at steps 10, 20, 30; perplexity = exp(mean loss).
     val = reference["loss/validation"]
     assert sorted(val) == [10, 20, 30]
@@ -202,7 +139,7 @@ def test_saved_config_repeats_the_run(tmp_path) -> None:
     assert saved.training.seed is not None and saved.optimizer.name == "adamw" and saved.training.steps == 3
     assert "[optimizer.adamw]" in read_text(tmp_path / "a" / "tb", "config")
     proc = run_train(1, ["--config", str(tmp_path / "a" / "config.toml"), "--job.dump_folder", str(tmp_path / "b")])
-    assert proc.returncode == 0, _tail(proc)
+    assert proc.returncode == 0, tail(proc)
     assert f"Seed {saved.training.seed}" in proc.stderr
     again = read_scalars(tmp_path / "b" / "tb")
     assert again["loss/train"] == first["loss/train"]
@@ -363,21 +300,19 @@ def test_compile_and_full_ac_single_process(tmp_path, reference) -> None:
 def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
     proc = run_train(
         2,
-        COMMON
-        + [
-            "--job.dump_folder",
-            str(tmp_path),
+        train_argv(
+            tmp_path,
             "--training.local_batch_size",
             "2",
             "--optimizer.muon.lr",
             "1e30",
             "--optimizer.adamw.lr",
             "1e30",
-        ],
+        ),
     )
-    assert proc.returncode != 0, _tail(proc)
+    assert proc.returncode != 0, tail(proc)
     out = proc.stdout + proc.stderr
-    assert "training diverged at step" in out and "non-finite" in out, _tail(proc)
+    assert "training diverged at step" in out and "non-finite" in out, tail(proc)
     for rank in (0, 1):  # every rank stops (ERROR passes the other ranks' WARNING log level)
         assert any(line.startswith(f"[rank{rank}]") and "training diverged" in line for line in out.splitlines())
     # It stopped right away, before the optimizer step of the diverged step.
@@ -405,17 +340,17 @@ def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
     ],
 )
 def test_config_errors_exit_nonzero_naming_the_key(tmp_path, args, expected) -> None:
-    proc = run_train(1, COMMON + ["--job.dump_folder", str(tmp_path), *args], timeout=120)
-    assert proc.returncode == 2, _tail(proc)
+    proc = run_train(1, train_argv(tmp_path, *args), timeout=120)
+    assert proc.returncode == 2, tail(proc)
     for text in expected:
-        assert text in proc.stderr, _tail(proc)
-    assert "Traceback" not in proc.stderr, _tail(proc)
+        assert text in proc.stderr, tail(proc)
+    assert "Traceback" not in proc.stderr, tail(proc)
 
 
 def test_config_file_error_names_file_and_key(tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nsteps = 3\nlocal_batch_sise = 2\n")
     proc = run_train(1, ["--config", str(bad)], timeout=120)
-    assert proc.returncode == 2, _tail(proc)
-    assert "training.local_batch_sise" in proc.stderr and str(bad) in proc.stderr, _tail(proc)
-    assert "did you mean training.local_batch_size" in proc.stderr, _tail(proc)
+    assert proc.returncode == 2, tail(proc)
+    assert "training.local_batch_sise" in proc.stderr and str(bad) in proc.stderr, tail(proc)
+    assert "did you mean training.local_batch_size" in proc.stderr, tail(proc)

@@ -7,8 +7,8 @@ with the warmup-stable-decay schedule, the clipping and the loss written below t
 (titan_dmuon/models/llama3, initialized the way the trainer does: meta -> to_empty -> manual_seed(seed) -> init_weights)
 and the token windows (titan_dmuon.data, which is not what is under test) come from the project.
 
-Every hyper-parameter is passed to train.py explicitly (HPARAMS below), so the reference does not depend on
-debug_model.toml's or the dataclasses' defaults. Muon weight decay is 0.1 (the toml has 0) so that decoupled
+Every hyper-parameter is passed to train.py explicitly (HPARAMS, tests/train_runs.py), so the reference does not
+depend on debug_model.toml's or the dataclasses' defaults. Muon weight decay is 0.1 (the toml has 0) so that decoupled
 weight decay takes part. The clipping threshold is the median grad norm of an unclipped reference run (the default
 data is this interpreter's standard library, so the norms differ between Python builds): some steps are clipped
 and the others are not, on any machine.
@@ -29,54 +29,13 @@ import torch
 import torch.nn.functional as F
 import torch.optim._muon as torch_muon
 
-from tests.integration.test_train import _tail, read_scalars, run_train
+from tests.train_runs import HPARAMS, MUON_PARAMS, flag, read_scalars, run_train, tail
 
-STEPS = 12
-SEED = 42
-SEQ_LEN = 32
+STEPS, SEED, SEQ_LEN = HPARAMS["training.steps"], HPARAMS["training.seed"], HPARAMS["training.seq_len"]
 GLOBAL_BATCH = 8
-MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
-HPARAMS = {
-    "optimizer.name": "dmuon",
-    "optimizer.muon.lr": 0.01,
-    "optimizer.muon.momentum": 0.95,
-    "optimizer.muon.nesterov": True,
-    "optimizer.muon.weight_decay": 0.1,
-    "optimizer.muon.ns_steps": 5,
-    "optimizer.muon.ns_coefficients": "polar_express",
-    "optimizer.muon.eps": 1e-7,
-    "optimizer.muon.adjust_lr_fn": "match_rms_adamw",
-    "optimizer.adamw.lr": 3e-3,
-    "optimizer.adamw.betas": (0.9, 0.95),
-    "optimizer.adamw.eps": 1e-8,
-    "optimizer.adamw.weight_decay": 0.01,
-    "optimizer.muon_params": MUON_PARAMS,
-    "lr_scheduler.warmup_steps": 3,
-    "lr_scheduler.decay_ratio": 0.5,  # 3 warmup, 3 stable, 6 decay steps
-    "lr_scheduler.decay_type": "linear",
-    "lr_scheduler.min_lr_factor": 0.1,
-    "training.steps": STEPS,
-    "training.seed": SEED,
-    "training.seq_len": SEQ_LEN,
-    "training.mixed_precision_param": "float32",
-    "training.mixed_precision_reduce": "float32",
-    "training.dataset": "stdlib",
-    "model.name": "llama3",
-    "model.flavor": "tinymodel",
-    "model.tokenizer": "byte",
-}
 # Short names for the reference below: optimizer.muon.lr -> lr, optimizer.adamw.lr -> adamw_lr, training.seed -> seed.
 H = {k.split(".", 1)[1].replace("muon.", "").replace("adamw.", "adamw_"): v for k, v in HPARAMS.items()}
 RTOL = 1e-5
-
-
-def flag(value) -> list[str]:
-    """A hyper-parameter's value as train.py's command line takes it (bools lower-case, tuples spread)."""
-    if isinstance(value, bool):
-        return [str(value).lower()]
-    if isinstance(value, tuple):
-        return [str(v) for v in value]
-    return [str(value)]
 
 
 def train_argv(local_batch_size: int, dump, max_norm: float) -> list[str]:
@@ -212,7 +171,7 @@ def reference() -> tuple[list[float], list[float], float]:
 # ------------------------------------------------------------------------------------------------ tests
 def _run(nproc: int, local_batch_size: int, dump, max_norm: float) -> dict[str, dict[int, float]]:
     proc = run_train(nproc, train_argv(local_batch_size, dump, max_norm))
-    assert proc.returncode == 0, _tail(proc)
+    assert proc.returncode == 0, tail(proc)
     return read_scalars(dump / "tb")
 
 

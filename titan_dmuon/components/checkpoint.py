@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from titan_dmuon import dmuon
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
 from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
 
@@ -69,31 +70,20 @@ _TEMP_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
 _METADATA = ".metadata"
 _CONFIG = "config.toml"
 _MODEL_ONLY = "model_only"  # marks a last_save_model_only checkpoint: keep_latest_k neither counts nor deletes it
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(ConfigError):
     """A missing, partial or mismatched checkpoint: like a config error, the same on every rank, exit 2."""
 
 
-def validate_checkpoint_config(cfg: JobConfig) -> None:
-    """The [checkpoint] ranges and choices, before any process group exists."""
-    c = cfg.checkpoint
-    if c.interval < 1:
-        raise ConfigError(f"checkpoint.interval must be >= 1, got {c.interval}")
-    if c.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {c.keep_latest_k}")
-    if c.timeout_seconds < 1:
-        raise ConfigError(f"checkpoint.timeout_seconds must be >= 1, got {c.timeout_seconds}")
-    if c.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {c.load_step}")
-    if c.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+def check_async_mode(cfg: JobConfig) -> None:
+    """async_with_pinned_mem needs CUDA: a fact of this machine, so checked here rather than in the [checkpoint]
+    section's validate() (which holds the other checkpoint checks), before any process group exists."""
+    if cfg.checkpoint.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
         raise ConfigError(
             'checkpoint.async_mode = "async_with_pinned_mem" needs CUDA (pinned host memory); '
             'use "async" on this machine'
         )
-    if not c.folder or os.path.isabs(c.folder) or ".." in Path(c.folder).parts:
-        raise ConfigError(f"checkpoint.folder must be a relative folder under job.dump_folder, got {c.folder!r}")
 
 
 # ------------------------------------------------------------------------------------------ the folder
@@ -331,7 +321,7 @@ class CheckpointManager:
             },
         }
         if model_only:
-            dtype = _EXPORT_DTYPES[self.c.export_dtype]
+            dtype = dmuon.to_dtype(self.c.export_dtype)
             sd["model"] = {k: v.detach().to(dtype) for k, v in sd["model"].items()}
             return sd
         sd["optimizer"] = self.optim.state_dict()
@@ -773,8 +763,8 @@ __all__ = [
     "CheckpointManager",
     "SafeLoadPlanner",
     "SafeReader",
+    "check_async_mode",
     "complete_steps",
     "read_metadata",
     "step_folders",
-    "validate_checkpoint_config",
 ]

@@ -6,6 +6,7 @@ from titan_dmuon.config.job_config import (
     Checkpoint,
     Comm,
     Compile,
+    ConfigError,
     DMuonConfig,
     Job,
     JobConfig,
@@ -20,13 +21,13 @@ from titan_dmuon.config.job_config import (
     Validation,
 )
 from titan_dmuon.config.manager import (
-    ConfigError,
     ConfigManager,
     config_from_dict,
     dump_toml,
     load_toml,
     parse_args,
     parse_args_or_exit,
+    report_config_error,
     validate_config,
     validate_parallelism,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "load_toml",
     "parse_args",
     "parse_args_or_exit",
+    "report_config_error",
     "validate_config",
     "validate_parallelism",
 ]

@@ -1,13 +1,32 @@
 """JobConfig: one dataclass per TOML section, one docstring per field.
 
 The attribute docstrings are what `python train.py --help` shows (tyro reads them), so they say
-what a value means and what it is for, not just its type.
+what a value means and what it is for, not just its type. Each section's `validate()` checks its own ranges
+(raising ConfigError "<section>.<field> ..."); `validate_config` (manager.py) calls them, then the checks that
+span sections.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message says which key, where, and what is allowed."""
+
+
+def require(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless `cond`: the one form every config check takes."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _at_least(section: str, minimum: int, **values: float) -> None:
+    for key, value in values.items():
+        require(value >= minimum, f"{section}.{key} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -50,6 +69,25 @@ class Job:
     against the device's free memory instead.
     """
 
+    def validate(self) -> None:
+        _at_least("job", 1, dry_run_gpus_per_node=self.dry_run_gpus_per_node)
+        require(
+            not self.dry_run or self.dry_run_world_size >= 1 or self.dry_run_nodes >= 1,
+            f"job.dry_run needs job.dry_run_world_size >= 1 (the ranks to plan for) or job.dry_run_nodes >= 1, got "
+            f"{self.dry_run_world_size}",
+        )
+        require(
+            not (self.dry_run_world_size and self.dry_run_nodes)
+            or self.dry_run_world_size == self.dry_run_nodes * self.dry_run_gpus_per_node,
+            f"job.dry_run_world_size ({self.dry_run_world_size}) != job.dry_run_nodes ({self.dry_run_nodes}) x "
+            f"job.dry_run_gpus_per_node ({self.dry_run_gpus_per_node}): give one of them, or both consistent",
+        )
+        require(self.dry_run_tflops > 0, f"job.dry_run_tflops must be > 0, got {self.dry_run_tflops}")
+        require(
+            self.dry_run_device_memory_gib > 0,
+            f"job.dry_run_device_memory_gib must be > 0, got {self.dry_run_device_memory_gib}",
+        )
+
 
 @dataclass
 class Model:
@@ -60,39 +98,70 @@ class Model:
     tokenizer: str = "byte"
     """Tokenizer: "byte" for the built-in byte-level tokenizer, else a path to a Hugging Face tokenizer.json."""
 
+    def validate(self) -> None:
+        """Nothing to range-check: the names are checked against their registries when the trainer starts (the
+        registries import torch and the model families)."""
+
 
 @dataclass
 class MuonConfig:
-    """[optimizer.muon]: the Muon half of "dmuon" and "muon_naive" (the same update rule in both)."""
+    """[optimizer.muon]: the Muon half of "dmuon" and "muon_naive" (the same update rule in both). Each key is the
+    field of the same name of the library's `dmuon.MuonOptions` (titan_dmuon/dmuon/options.py), whose docstrings
+    document them in full and whose checks `validate()` runs; the defaults here are the framework's own choices (an
+    AdamW-sized lr with "match_rms_adamw", no Muon weight decay, Polar Express), where the library's are
+    torch.optim.Muon's.
+    """
 
     lr: float = 0.02
-    """Muon learning rate (before adjust_lr_fn scaling and the lr schedule)."""
+    """Muon learning rate, before adjust_lr_fn's shape scaling and the lr schedule (MuonOptions.lr)."""
     momentum: float = 0.95
-    """Muon momentum (EMA factor of the gradient buffer)."""
+    """Muon momentum, the EMA factor of the gradient buffer, in [0, 1) (MuonOptions.momentum)."""
     nesterov: bool = True
-    """Use Nesterov momentum for Muon."""
+    """Use Nesterov momentum for Muon (MuonOptions.nesterov)."""
     weight_decay: float = 0.0
-    """Decoupled weight decay of the Muon params."""
+    """Decoupled weight decay of the Muon params (MuonOptions.weight_decay)."""
     ns_steps: int = 5
-    """Newton-Schulz iterations that orthogonalize the Muon update."""
+    """Newton-Schulz iterations that orthogonalize the Muon update, 1 to 99 (MuonOptions.ns_steps)."""
     ns_coefficients: Literal["polar_express", "muon"] = "polar_express"
-    """Newton-Schulz coefficients: "polar_express" (per-iteration set) or "muon" ((3.4445, -4.775, 2.0315) repeated)."""
+    """Newton-Schulz coefficients: "polar_express" (one optimal triple per iteration) or "muon" (Keller Jordan's
+    (3.4445, -4.775, 2.0315) repeated, torch.optim.Muon's) (MuonOptions.ns_coefficients)."""
     eps: float = 1e-7
-    """Added to the Frobenius norm before Newton-Schulz normalizes the update."""
+    """Floor of the norm Newton-Schulz divides the update by (MuonOptions.eps)."""
     adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
-    """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)), lets Muon reuse AdamW lrs) or "original"
-    (sqrt(max(1, rows/cols))).
+    """Muon lr shape scaling: "match_rms_adamw" (0.2*sqrt(max(rows, cols)): Muon takes AdamW-sized lrs, the framework's
+    default) or "original" (sqrt(max(1, rows/cols)), torch.optim.Muon's and the library's default)
+    (MuonOptions.adjust_lr_fn).
     """
     ns_dtype: Literal["", "float32", "bfloat16"] = ""
-    """Newton-Schulz precision; empty keeps the library default (float32 on CPU, bfloat16 on CUDA)."""
+    """Newton-Schulz precision; empty = the library's default for the device: bfloat16 on CUDA and on CPUs with
+    native bf16 matmuls, float32 elsewhere (MuonOptions.ns_dtype).
+    """
     ns_formulation: Literal["direct", "gram"] = "direct"
-    """Newton-Schulz formulation: "direct" (torch.optim.Muon's iteration on the matrix) or "gram" (the same
-    polynomial on the short-side Gram matrix, with restarts: fewer FLOPs for rectangular matrices).
+    """Newton-Schulz formulation: "direct" (torch.optim.Muon's iteration) or "gram" (on the short-side Gram matrix:
+    fewer FLOPs for rectangular matrices) (MuonOptions.ns_formulation).
     """
     kernel: Literal["auto", "triton", "torch"] = "auto"
-    """Who runs Newton-Schulz's symmetric products: "auto" = Triton on CUDA when it imports and passes a one-time
-    numerical check, else torch (the DMUON_NS_KERNEL environment variable overrides "auto"); "triton"; "torch".
+    """Who runs Newton-Schulz's symmetric products: "auto" (Triton on CUDA when it passes a one-time check, else
+    torch; DMUON_NS_KERNEL overrides it), "triton" or "torch" (MuonOptions.kernel).
     """
+
+    def to_options(self):
+        """This table as the library's `dmuon.MuonOptions` (the one conversion: the component builds its optimizer
+        from it). Imports the library (torch). ConfigError "optimizer.muon.<field> ..." for an invalid value."""
+        import dataclasses
+
+        from titan_dmuon import dmuon
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["ns_dtype"] = values["ns_dtype"] or None  # "" = the device's default
+        try:
+            return dmuon.MuonOptions(**values)
+        except dmuon.OptionError as e:
+            raise ConfigError(f"optimizer.muon.{e.field} {e.problem}") from None
+
+    def validate(self) -> None:
+        """MuonOptions' own checks, reported under optimizer.muon.<field>."""
+        self.to_options()
 
 
 @dataclass
@@ -107,6 +176,12 @@ class AdamWConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay."""
+
+    def validate(self) -> None:
+        for key in ("lr", "eps", "weight_decay"):
+            value = getattr(self, key)
+            require(value >= 0, f"optimizer.adamw.{key} must be >= 0, got {value}")
+        require(all(0 <= b < 1 for b in self.betas), f"optimizer.adamw.betas must be in [0, 1), got {self.betas}")
 
 
 @dataclass
@@ -145,6 +220,17 @@ class Optimizer:
     dmuon: DMuonConfig = field(default_factory=DMuonConfig)
     """DMuon's distribution settings, for "dmuon"."""
 
+    def validate(self) -> None:
+        """muon_params compiles; then [optimizer.muon] and [optimizer.adamw] (their own `validate()`)."""
+        import re
+
+        try:
+            re.compile(self.muon_params)
+        except re.error as e:
+            raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {self.muon_params!r}") from None
+        self.muon.validate()
+        self.adamw.validate()
+
 
 @dataclass
 class LRScheduler:
@@ -158,6 +244,14 @@ class LRScheduler:
     """Decay shape: linear, cosine (half period) or sqrt (1 - sqrt(progress))."""
     min_lr_factor: float = 0.0
     """The decay ends at lr * min_lr_factor."""
+
+    def validate(self) -> None:
+        _at_least("lr_scheduler", 0, warmup_steps=self.warmup_steps)
+        require(
+            self.decay_ratio is None or 0 <= self.decay_ratio <= 1,
+            f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {self.decay_ratio}",
+        )
+        require(0 <= self.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {self.min_lr_factor}")
 
 
 @dataclass
@@ -198,6 +292,21 @@ class Training:
     training process). A resumed loader state needs the same value.
     """
 
+    def validate(self) -> None:
+        _at_least(
+            "training",
+            1,
+            local_batch_size=self.local_batch_size,
+            seq_len=self.seq_len,
+            steps=self.steps,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
+        _at_least("training", 0, max_norm=self.max_norm)
+        require(
+            self.dataset == "stdlib" or bool(self.dataset_path),
+            f"training.dataset_path is required for training.dataset = {self.dataset!r}",
+        )
+
 
 @dataclass
 class Parallelism:
@@ -221,6 +330,19 @@ class Parallelism:
     and computes the loss on each TP rank instead. No effect without TP.
     """
 
+    def validate(self) -> None:
+        """The degrees alone; whether they fit the world size is `validate_parallelism`'s (at launch)."""
+        _at_least("parallelism", 1, tensor_parallel_degree=self.tensor_parallel_degree)
+        replicate = self.data_parallel_replicate_degree
+        require(
+            replicate == "nodes" or replicate >= 1,
+            f'parallelism.data_parallel_replicate_degree must be >= 1 or "nodes", got {replicate}',
+        )
+        require(
+            self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+            f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {self.data_parallel_shard_degree}",
+        )
+
 
 @dataclass
 class Comm:
@@ -240,6 +362,12 @@ class Comm:
     name, with its host, a rank that missed 3 in a row (dead, stopped or hung), also in their error when a collective
     fails. 0 turns it off.
     """
+
+    def validate(self) -> None:
+        _at_least(
+            "comm", 1, init_timeout_seconds=self.init_timeout_seconds, train_timeout_seconds=self.train_timeout_seconds
+        )
+        require(self.heartbeat_seconds >= 0, f"comm.heartbeat_seconds must be >= 0, got {self.heartbeat_seconds}")
 
 
 @dataclass
@@ -281,6 +409,24 @@ class Checkpoint:
     long for a peer still writing its files, or for rank 0 committing (fsync, rename, deleting old checkpoints).
     """
 
+    def validate(self) -> None:
+        """The ranges and the folder; whether this machine can pin memory for async_with_pinned_mem is checked
+        where the checkpointer is built (components/checkpoint.py)."""
+        require(self.interval >= 1, f"checkpoint.interval must be >= 1, got {self.interval}")
+        require(
+            self.keep_latest_k >= 0,
+            f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {self.keep_latest_k}",
+        )
+        require(self.timeout_seconds >= 1, f"checkpoint.timeout_seconds must be >= 1, got {self.timeout_seconds}")
+        require(
+            self.load_step >= -1,
+            f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {self.load_step}",
+        )
+        require(
+            bool(self.folder) and not os.path.isabs(self.folder) and ".." not in Path(self.folder).parts,
+            f"checkpoint.folder must be a relative folder under job.dump_folder, got {self.folder!r}",
+        )
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -294,11 +440,27 @@ class ActivationCheckpoint:
     every n-th block whole (blocks 0, n, 2n, ...; "1" is "full"), the others keep everything.
     """
 
+    def validate(self) -> None:
+        """Also what `parallelize.ac_plan` asks of a mode and option given to it directly."""
+        require(
+            self.mode in ("none", "selective", "full"),
+            f"activation_checkpoint.mode must be 'none', 'selective' or 'full', got {self.mode!r}",
+        )
+        option = self.selective_ac_option
+        require(
+            option == "op" or (option.isdecimal() and option.isascii() and int(option) >= 1),
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer n (every n-th block), got "
+            f"{option!r}",
+        )
+
 
 @dataclass
 class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
+
+    def validate(self) -> None:
+        """A switch: nothing to check."""
 
 
 @dataclass
@@ -309,6 +471,9 @@ class Metrics:
     """Write TensorBoard events (rank 0)."""
     save_tb_folder: str = "tb"
     """TensorBoard folder, under job.dump_folder."""
+
+    def validate(self) -> None:
+        _at_least("metrics", 1, log_freq=self.log_freq)
 
 
 @dataclass
@@ -324,6 +489,9 @@ class Profiling:
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, under job.dump_folder."""
 
+    def validate(self) -> None:
+        _at_least("profiling", 1, profile_freq=self.profile_freq)
+
 
 @dataclass
 class Validation:
@@ -337,6 +505,10 @@ class Validation:
     """Empty = a held-out split of the training dataset; else a dataset kind as in training.dataset."""
     dataset_path: str = ""
     """Files of the validation dataset when dataset is set ("" = training.dataset_path)."""
+
+    def validate(self) -> None:
+        """Its own ranges; whether a dataset path is given (here or in [training]) is `validate_config`'s."""
+        _at_least("validation", 1, freq=self.freq, steps=self.steps)
 
 
 @dataclass

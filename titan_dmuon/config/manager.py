@@ -12,7 +12,6 @@ import difflib
 import io
 import json
 import os
-import re
 import sys
 import types
 import typing
@@ -21,16 +20,12 @@ from typing import Any, Literal, Union
 
 import tyro
 
-from titan_dmuon.config.job_config import JobConfig
+from titan_dmuon.config.job_config import ConfigError, JobConfig, require
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message says which key, where, and what is allowed."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -239,103 +234,35 @@ def dump_toml(cfg: JobConfig) -> str:
 # Validation
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 def _check_types(obj: Any, cls: type, path: str) -> None:
-    _check(isinstance(obj, cls), f"{path} must be a {cls.__name__}, got {obj!r}")
+    require(isinstance(obj, cls), f"{path} must be a {cls.__name__}, got {obj!r}")
     for key, tp in _fields(cls).items():
         value = getattr(obj, key)
         if _is_table(tp):
             _check_types(value, tp, f"{path}.{key}")
         else:
-            _check(_coerce(value, tp)[0], _bad_value_message(f"{path}.{key}", value, tp, ""))
+            require(_coerce(value, tp)[0], _bad_value_message(f"{path}.{key}", value, tp, ""))
 
 
 def validate_config(cfg: JobConfig) -> JobConfig:
-    """Types and choices of every field, then the ranges that would otherwise fail deep in a run.
+    """Types and choices of every field, then each section's own `validate()`, then the checks that span sections.
 
     Names (optimizer.name, model.name, model.flavor) are checked against their registries when the trainer
-    starts: the registries import torch and the model families.
+    starts: the registries import torch and the model families. Checks that need the world size or the model
+    raise ConfigError where those are known (validate_parallelism, parallelize, the trainer).
     """
     for section, section_cls in _sections().items():
         _check_types(getattr(cfg, section), section_cls, section)
+    for section in _sections():
+        validate = getattr(getattr(cfg, section), "validate", None)
+        if validate is not None:
+            validate()
 
-    t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
-    for key, value in [
-        ("training.local_batch_size", t.local_batch_size),
-        ("training.seq_len", t.seq_len),
-        ("training.steps", t.steps),
-        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
-        ("optimizer.muon.ns_steps", o.muon.ns_steps),
-        ("metrics.log_freq", cfg.metrics.log_freq),
-        ("profiling.profile_freq", cfg.profiling.profile_freq),
-        ("validation.freq", cfg.validation.freq),
-        ("validation.steps", cfg.validation.steps),
-        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
-        ("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds),
-        ("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds),
-        ("job.dry_run_gpus_per_node", cfg.job.dry_run_gpus_per_node),
-    ]:
-        _check(value >= 1, f"{key} must be >= 1, got {value}")
-    _check(
-        p.data_parallel_replicate_degree == "nodes" or p.data_parallel_replicate_degree >= 1,
-        f'parallelism.data_parallel_replicate_degree must be >= 1 or "nodes", got {p.data_parallel_replicate_degree}',
-    )
-    _check(cfg.comm.heartbeat_seconds >= 0, f"comm.heartbeat_seconds must be >= 0, got {cfg.comm.heartbeat_seconds}")
-    _check(
-        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-        f"parallelism.data_parallel_shard_degree must be -1 or >= 1, got {p.data_parallel_shard_degree}",
-    )
-    for key, value in [
-        ("optimizer.muon.lr", o.muon.lr),
-        ("optimizer.adamw.lr", o.adamw.lr),
-        ("optimizer.muon.eps", o.muon.eps),
-        ("optimizer.adamw.eps", o.adamw.eps),
-        ("optimizer.muon.weight_decay", o.muon.weight_decay),
-        ("optimizer.adamw.weight_decay", o.adamw.weight_decay),
-        ("training.max_norm", t.max_norm),
-        ("lr_scheduler.warmup_steps", s.warmup_steps),
-    ]:
-        _check(value >= 0, f"{key} must be >= 0, got {value}")
-    _check(0 <= o.muon.momentum < 1, f"optimizer.muon.momentum must be in [0, 1), got {o.muon.momentum}")
-    _check(all(0 <= b < 1 for b in o.adamw.betas), f"optimizer.adamw.betas must be in [0, 1), got {o.adamw.betas}")
-    _check(
-        s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
-        f"lr_scheduler.decay_ratio must be in [0, 1] or unset, got {s.decay_ratio}",
-    )
-    _check(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor must be in [0, 1], got {s.min_lr_factor}")
-    try:
-        re.compile(o.muon_params)
-    except re.error as e:
-        raise ConfigError(f"optimizer.muon_params is not a valid regex ({e}): {o.muon_params!r}") from None
-    _check(
-        not cfg.job.dry_run or cfg.job.dry_run_world_size >= 1 or cfg.job.dry_run_nodes >= 1,
-        f"job.dry_run needs job.dry_run_world_size >= 1 (the ranks to plan for) or job.dry_run_nodes >= 1, got "
-        f"{cfg.job.dry_run_world_size}",
-    )
-    _check(
-        not (cfg.job.dry_run_world_size and cfg.job.dry_run_nodes)
-        or cfg.job.dry_run_world_size == cfg.job.dry_run_nodes * cfg.job.dry_run_gpus_per_node,
-        f"job.dry_run_world_size ({cfg.job.dry_run_world_size}) != job.dry_run_nodes ({cfg.job.dry_run_nodes}) x "
-        f"job.dry_run_gpus_per_node ({cfg.job.dry_run_gpus_per_node}): give one of them, or both consistent",
-    )
-    _check(cfg.job.dry_run_tflops > 0, f"job.dry_run_tflops must be > 0, got {cfg.job.dry_run_tflops}")
-    _check(
-        cfg.job.dry_run_device_memory_gib > 0,
-        f"job.dry_run_device_memory_gib must be > 0, got {cfg.job.dry_run_device_memory_gib}",
-    )
-    option = cfg.activation_checkpoint.selective_ac_option
-    _check(
-        option == "op" or (option.isdecimal() and option.isascii() and int(option) >= 1),
-        f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer n (every n-th block), got "
-        f"{option!r}",
-    )
-    _check(
-        t.dataset == "stdlib" or bool(t.dataset_path),
-        f"training.dataset_path is required for training.dataset = {t.dataset!r}",
+    # Across sections.
+    t, v = cfg.training, cfg.validation
+    require(
+        not v.enable or v.dataset in ("", "stdlib") or bool(v.dataset_path or t.dataset_path),
+        f"validation.dataset_path is required for validation.dataset = {v.dataset!r}",
     )
     return cfg
 
@@ -452,10 +379,18 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
     return ConfigManager().parse_args(argv)
 
 
+def report_config_error(e: ConfigError) -> int:
+    """The one place a config error is printed, as `config error: ...`: the exit status (2, or 0 under our
+    launchers, which print each rank's distinct message once; titan_dmuon/parallel/exit_status.py)."""
+    from titan_dmuon.parallel.exit_status import report
+
+    return report(2, f"config error: {e}")
+
+
 def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
-    """For entry points: a ConfigError prints `config error: ...` to stderr and exits with status 2; so does tyro
-    for an unknown or malformed flag, with its own message. Under our launchers (titan_dmuon/parallel/exit_status.py)
-    both messages go to the launcher, which prints each distinct one once, instead of once per rank."""
+    """For entry points: a ConfigError exits through `report_config_error` (status 2); tyro exits 2 for an unknown
+    or malformed flag, with its own message. Under our launchers (titan_dmuon/parallel/exit_status.py) both messages
+    go to the launcher, which prints each distinct one once, instead of once per rank."""
     from titan_dmuon.parallel.exit_status import ENV, report
 
     captured = io.StringIO()
@@ -468,7 +403,7 @@ def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
         with redirect:
             return parse_args(argv)
     except ConfigError as e:
-        raise SystemExit(report(2, f"config error: {e}")) from None
+        raise SystemExit(report_config_error(e)) from None
     except SystemExit as e:  # tyro: --help (0) or a bad flag (2), its text captured under a launcher
         text = captured.getvalue()
         if capture and e.code not in (0, None):

@@ -2,9 +2,11 @@
 
 from titan_dmuon import dmuon
 dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
-for layer in model.layers: fully_shard(layer, mesh=mesh)
+for block in dmuon.fsdp_units(model): fully_shard(block, mesh=mesh)  # the rest joins the root unit
 fully_shard(model, mesh=mesh)
 optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
+
+dmuon.Muon's defaults are torch.optim.Muon's (dmuon.MuonOptions documents and checks every Muon option).
 """
 
 from __future__ import annotations
@@ -28,8 +30,15 @@ from .clip import clip_grad_norm_
 from .ddp import replicate_no_sync
 from .fsdp2_patch import install_patch
 from .meta_init import init_dedicated_params
-from .muon import Muon
-from .newton_schulz import get_ns_backend, zeropower_via_newtonschulz
+from .muon import Muon, adamw_step, adjusted_lr, init_adamw_state, momentum_update
+from .newton_schulz import (
+    Coefficients,
+    cpu_has_native_bf16,
+    default_ns_dtype,
+    get_ns_backend,
+    zeropower_via_newtonschulz,
+)
+from .options import DTYPES, MuonOptions, OptionError, to_dtype
 from .param import DedicatedParam
 from .state import state_of, unwrap
 from .state_dict import (
@@ -38,6 +47,7 @@ from .state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from .units import fsdp_units
 
 install_patch()
 
@@ -94,8 +104,20 @@ def drain(model: nn.Module) -> None:
 __all__ = [
     "comm_stats",
     "drain",
+    "fsdp_units",
+    "DTYPES",
+    "Coefficients",
     "DedicatedParam",
     "Muon",
+    "MuonOptions",
+    "OptionError",
+    "adamw_step",
+    "adjusted_lr",
+    "cpu_has_native_bf16",
+    "default_ns_dtype",
+    "init_adamw_state",
+    "momentum_update",
+    "to_dtype",
     "clip_grad_norm_",
     "dedicate_params",
     "dedicate_params_ddp",

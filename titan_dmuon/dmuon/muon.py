@@ -21,20 +21,10 @@ from torch.optim.adamw import adamw as _adamw_functional
 from . import replicate_axis as _replicate
 from . import tp as _tp
 from .comm import Work
-from .newton_schulz import (
-    FORMULATIONS,
-    NS_MAX_BATCH_ELEMENTS,
-    Coefficients,
-    batch_plan,
-    default_ns_dtype,
-    orthogonalize_stack,
-    resolve_coefficients,
-    zeropower_via_newtonschulz,
-)
-from .ns_ops import KERNELS
+from .newton_schulz import batch_plan, orthogonalize_stack, resolve_coefficients, zeropower_via_newtonschulz
+from .options import MuonOptions
 from .state import state_of, unwrap
 
-_MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -51,39 +41,54 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> fl
 class Muon(torch.optim.Optimizer):
     """Muon for the dedicated matrices of `model`, AdamW for the rest, in one optimizer.
 
-    Param groups carry `kind` "muon" or "adamw" so an lr scheduler scales both halves. `param_groups` is
-    an optional list of `{"params": [...], **overrides}` dicts; each listed param takes those overrides
-    (keys of its own kind), every other param the defaults. `model` may be wrapped in torch's
-    DistributedDataParallel (after `dedicate_params_ddp`).
+    With the defaults it takes torch.optim.Muon's step (MuonOptions' defaults are torch's) and torch.optim.AdamW's.
+    Param groups carry `kind` "muon" or "adamw" so an lr scheduler scales both halves. Newton-Schulz runs on each
+    matrix's owner only; an owner orthogonalizes its same-shape matrices (with the same NS settings) as one batch.
 
-    Newton-Schulz: `ns_formulation` "direct" or "gram", `kernel` "auto" | "triton" | "torch" for its
-    symmetric products (newton_schulz.py, ns_ops.py); an owner orthogonalizes its same-shape matrices (with the
-    same NS settings) as one batch, in chunks of at most `ns_max_batch_elements` elements.
+    Args:
+        model: the model after `dmuon.dedicate_params` (or `dedicate_params_ddp`), its dedicated params
+            materialized (`dmuon.init_dedicated_params` after a meta start); it may be wrapped in torch's
+            DistributedDataParallel.
+        options: the Muon update's hyper-parameters as a `dmuon.MuonOptions` (default: `MuonOptions()`,
+            torch.optim.Muon's defaults). Pass one to share a checked set between optimizers.
+        adamw_lr: AdamW learning rate of every non-dedicated param (embeddings, norms, output). Default 1e-3
+            (torch.optim.AdamW's).
+        adamw_betas: AdamW (beta1, beta2). Default (0.9, 0.999) (torch's); LLM recipes often use (0.9, 0.95).
+        adamw_eps: AdamW epsilon. Default 1e-8.
+        adamw_weight_decay: AdamW decoupled weight decay. Default 0.01 (torch's); 0 for norms and biases is common
+            (use `param_groups`).
+        param_groups: optional `[{"params": [...], **overrides}, ...]`: each listed param takes the overrides of its
+            own kind (a Muon matrix: any of `MuonOptions.PER_GROUP`, checked like the options; an AdamW param: `lr`,
+            `betas`, `eps`, `weight_decay`; keys of the other kind are ignored), every other param the defaults.
+            Default None.
+        replicate_async: with a replicate axis (HSDP, DDP), publish the updated matrices to the other replicas
+            asynchronously, overlapped with the next forward (default True); False finishes the publish inside
+            `step()` (simpler timing, e.g. to measure it).
+        tp_distributed_gram: with tensor parallelism, iterate NS on the s×s Gram matrix across the TP ranks instead
+            of gathering each full matrix on its TP owner (default False); worth it for wide TP-sharded matrices
+            whose gather dominates (docs/dmuon.md).
+        **muon_options: any `MuonOptions` field by name, overriding `options` (the fields' docstrings are the full
+            documentation): `lr` (1e-3), `momentum` (0.95), `nesterov` (True), `weight_decay` (0.1), `ns_steps`
+            (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
+            CUDA and native-bf16 CPUs, else fp32), `ns_formulation` ("direct"), `kernel` ("auto"),
+            `ns_max_batch_elements` (2**26). An invalid value raises `dmuon.OptionError` (a ValueError) naming it.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
-        ns_coefficients: Coefficients = "polar_express",
-        eps: float = 1e-7,
-        adjust_lr_fn: str | None = "match_rms_adamw",
+        options: MuonOptions | None = None,
+        *,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         param_groups: Sequence[dict[str, Any]] | None = None,
-        ns_dtype: torch.dtype | None = None,
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
-        kernel: str = "auto",
-        ns_formulation: str = "direct",
-        ns_max_batch_elements: int = NS_MAX_BATCH_ELEMENTS,
+        **muon_options: Any,
     ):
+        self.options = MuonOptions.of(options, **muon_options)
         state = state_of(model, "dmuon.Muon")
         model = unwrap(model)
         if any(g.on_meta for g in state.groups):
@@ -92,36 +97,23 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.init_dedicated_params(model, init_fn, device) first"
             )
         _check_registered(model, state)
-        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
-        resolve_coefficients(ns_coefficients, ns_steps)
-        if kernel not in KERNELS:
-            raise ValueError(f"dmuon.Muon: kernel must be one of {KERNELS}, got {kernel!r}")
-        if ns_formulation not in FORMULATIONS:
-            raise ValueError(f"dmuon.Muon: ns_formulation must be one of {FORMULATIONS}, got {ns_formulation!r}")
-        if ns_max_batch_elements < 1:
-            raise ValueError(f"dmuon.Muon: ns_max_batch_elements must be >= 1, got {ns_max_batch_elements}")
-        self.kernel = kernel
-        self.ns_formulation = ns_formulation
-        self.ns_max_batch_elements = ns_max_batch_elements
         self.model = model
         self._state = state
-        self.ns_dtype = ns_dtype
         self.replicate_async = replicate_async
         self.tp_distributed_gram = tp_distributed_gram
-        muon_defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        muon_defaults = self.options.group_defaults()
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
         super().__init__(groups, {})
         self.last_step_stats: dict[str, float] = {}
+
+    # The optimizer-wide NS settings, as attributes (read-only: they are `options`').
+    ns_dtype = property(lambda self: self.options.ns_dtype, doc="MuonOptions.ns_dtype (None: the device's default).")
+    ns_formulation = property(lambda self: self.options.ns_formulation, doc="MuonOptions.ns_formulation.")
+    kernel = property(lambda self: self.options.kernel, doc="MuonOptions.kernel.")
+    ns_max_batch_elements = property(
+        lambda self: self.options.ns_max_batch_elements, doc="MuonOptions.ns_max_batch_elements."
+    )
 
     def _build_groups(self, model, user_groups, muon_defaults, adamw_defaults) -> list[dict]:
         dedicated = self._state.by_param
@@ -139,8 +131,10 @@ class Muon(torch.optim.Optimizer):
         for (kind, ui), params in buckets.items():
             opts = dict(muon_defaults if kind == "muon" else adamw_defaults)
             if ui >= 0:
-                keys = _MUON_KEYS if kind == "muon" else _ADAMW_KEYS
+                keys = MuonOptions.PER_GROUP if kind == "muon" else _ADAMW_KEYS
                 opts.update({k: v for k, v in user_groups[ui].items() if k in keys})
+                if kind == "muon":
+                    self.options.check_group(opts)
             groups.append({"params": params, "kind": kind, **opts})
         return groups
 
@@ -242,14 +236,7 @@ class Muon(torch.optim.Optimizer):
 
     def _momentum(self, dp, opts: dict) -> torch.Tensor:
         """EMA momentum (+ Nesterov) on this rank's (TP-local) grad: elementwise, so shards suffice."""
-        grad = dp._reduced_grad
-        state = self.state[dp.param]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = state["momentum_buffer"] = torch.zeros_like(grad)
-        mu = opts["momentum"]
-        buf.lerp_(grad, 1 - mu)
-        return grad.lerp(buf, mu) if opts["nesterov"] else buf
+        return momentum_update(dp._reduced_grad, self.state[dp.param], opts)
 
     def _update_owned(self, owned: list[tuple], done: Callable[[tuple], None]) -> tuple[int, float]:
         """Momentum, NS and the update of this rank's whole matrices: same-shape ones with the same NS settings
@@ -303,14 +290,7 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize(self, updates: list[torch.Tensor], opts: dict, tp_gram_of=None) -> list[torch.Tensor]:
         """NS of same-shape full matrices (one batched call), or (TP distributed Gram) of this rank's block of
         `tp_gram_of`'s matrix."""
-        kwargs = dict(
-            ns_steps=opts["ns_steps"],
-            coefficients=opts["ns_coefficients"],
-            eps=opts["eps"],
-            dtype=self.ns_dtype or default_ns_dtype(updates[0].device),
-            formulation=self.ns_formulation,
-            kernel=self.kernel,
-        )
+        kwargs = self.options.ns_kwargs(opts, updates[0].device)
         if tp_gram_of is not None:
             kwargs.update(
                 formulation="gram",
@@ -349,6 +329,18 @@ class _InOrder:
         while self.next < len(self.remaining) and self.remaining[self.next] == 0:
             self.release(self.next)
             self.next += 1
+
+
+def momentum_update(grad: torch.Tensor, state: dict, opts: dict) -> torch.Tensor:
+    """torch.optim.Muon's momentum on one matrix: the EMA buffer `state["momentum_buffer"]` (created at zero) takes
+    `grad`; returns what Newton-Schulz orthogonalizes (the Nesterov look-ahead, or the buffer). `opts`: the param
+    group (its `momentum`, `nesterov`)."""
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = torch.zeros_like(grad)
+    mu = opts["momentum"]
+    buf.lerp_(grad, 1 - mu)
+    return grad.lerp(buf, mu) if opts["nesterov"] else buf
 
 
 def init_adamw_state(p: torch.Tensor, state: dict) -> None:

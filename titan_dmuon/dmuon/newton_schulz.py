@@ -9,6 +9,7 @@ same-shape matrices as one batched (bmm-shaped) call in memory-bounded chunks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -81,11 +82,24 @@ NS_MAX_BATCH_ELEMENTS = 1 << 26
 dtype stay within a few times this (64M elements: 128 MB per copy in bf16)."""
 
 
-def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU, bf16 on CUDA (tensor cores). CPU stays fp32 for exactness, not speed: where the CPU has
-    native bf16 (AVX512-BF16, AMX) bf16 NS is ~2x faster (docs/dmuon.md, "Performance"), but fp32 keeps runs on
-    different layouts within summation-order rounding of each other, which bf16 would amplify."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (oneDNN on AVX512-BF16 / AMX), checked once."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without the op
+        return False
+
+
+def default_ns_dtype(device: torch.device | str) -> torch.dtype:
+    """The NS dtype when none is given (the one place it is decided): bf16 on CUDA (tensor cores) and on a CPU
+    with native bf16 matmuls (`cpu_has_native_bf16`), fp32 elsewhere (emulated bf16 is slower than fp32 there).
+    Runs that must agree to fp32 rounding (layout parity) pin `ns_dtype=torch.float32`: bf16 would amplify the
+    summation-order differences between layouts."""
+    device = torch.device(device)
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def gram_restarts(triples: Sequence[tuple[float, float, float]]) -> tuple[int, ...]:
@@ -286,6 +300,7 @@ __all__ = [
     "NS_MAX_BATCH_ELEMENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "batch_plan",
+    "cpu_has_native_bf16",
     "default_ns_dtype",
     "get_ns_backend",
     "gram_restarts",

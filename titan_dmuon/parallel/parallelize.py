@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon import dmuon
+from titan_dmuon.config import ActivationCheckpoint, ConfigError, JobConfig
 
 from .parallel_dims import ParallelDims
 
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Blocks = list[tuple[str, nn.Module]]
 
@@ -114,15 +114,9 @@ def ac_plan(mode: str, option: str, n_blocks: int) -> tuple[list[int], bool]:
         return [], False
     if mode == "full":
         return list(range(n_blocks)), False
-    if mode != "selective":
-        raise ConfigError(f"activation_checkpoint.mode must be 'none', 'selective' or 'full', got {mode!r}")
+    ActivationCheckpoint(mode=mode, selective_ac_option=option).validate()  # the section's ConfigError, if any
     if option == "op":
         return list(range(n_blocks)), True
-    if not (option.isdecimal() and option.isascii()) or int(option) < 1:
-        raise ConfigError(
-            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer n (every n-th block), "
-            f"got {option!r}"
-        )
     return list(range(0, n_blocks, int(option))), False
 
 
@@ -157,25 +151,16 @@ def apply_compile(blocks: Blocks) -> None:
 
 
 # --------------------------------------------------------------------------------------------- FSDP2
-MIN_BLOCK_UNIT_FRACTION = 0.01
-"""A block is an FSDP2 unit of its own only while FSDP2 still shards at least this fraction of its params.
-With DMuon a Llama block keeps only its two norm vectors (2·dim of ~12·dim² elements): as a unit it would
-cost an all-gather in forward, another in backward and a reduce-scatter per block per step, each a fixed
-collective latency for a few KB. Left to the root unit they are gathered with the embeddings, once per step
-(twice with fsdp_reshard_after_forward = "always"): all blocks' norms, 2·dim·n_layers elements (4.1M at 405B),
-unsharded from forward to the end of backward."""
+MIN_BLOCK_UNIT_FRACTION = dmuon.units.MIN_UNIT_FRACTION
+"""A block is an FSDP2 unit of its own only while FSDP2 still shards at least this fraction of its params (the
+library's rule: `dmuon.fsdp_units`, which says why)."""
 
 
 def fsdp_blocks(blocks: Blocks, ignored_params: set[nn.Parameter]) -> list[nn.Module]:
-    """The blocks worth their own FSDP2 unit: those whose params outside `ignored_params` are at least
-    MIN_BLOCK_UNIT_FRACTION of their params (every block when nothing is ignored)."""
-    out = []
-    for _, block in blocks:
-        sizes = [(p.numel(), p in ignored_params) for p in block.parameters()]
-        kept = sum(n for n, ign in sizes if not ign)
-        if kept and kept >= MIN_BLOCK_UNIT_FRACTION * sum(n for n, _ in sizes):
-            out.append(block)
-    return out
+    """The blocks worth their own FSDP2 unit (`dmuon.fsdp_units`): those whose params outside `ignored_params`
+    (and outside DMuon's dedicated ones) are at least MIN_BLOCK_UNIT_FRACTION of their params (every block when
+    nothing is ignored)."""
+    return dmuon.fsdp_units(None, [b for _, b in blocks], ignored_params=ignored_params)
 
 
 def apply_fsdp(
@@ -233,8 +218,8 @@ def parallelize(
     share; the dry-run planner stops here). It also works on a materialized model: DMuon then copies each
     owner's fp32 master out of the live values.
     """
-    param_dtype = DTYPES[cfg.training.mixed_precision_param]
-    reduce_dtype = DTYPES[cfg.training.mixed_precision_reduce]
+    param_dtype = dmuon.to_dtype(cfg.training.mixed_precision_param)
+    reduce_dtype = dmuon.to_dtype(cfg.training.mixed_precision_reduce)
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"], cfg, spec)
     blocks = spec.blocks(model)

@@ -6,10 +6,14 @@ until the first step is done (rendezvous, mesh, weight init, the first step and 
 `comm.train_timeout_seconds` after it. On a timeout gloo raises in the waiting rank (train.py reports it and exits
 1; torchrun then stops that node's other ranks, srun --kill-on-bad-exit=1 the other nodes); NCCL's watchdog
 aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=1, set here where unset).
+
+`DistributedRuntime` is what the trainer holds of all this: the group (made or adopted), the timeout switch, the
+heartbeat, the one-line report of a failed collective (failures.py) and the teardown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -22,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 from titan_dmuon.config import Comm
+
+from .failures import comm_failures, describe_comm_failure
+from .heartbeat import Heartbeat
+from .layout import RankPlace, gather_places, node_names, this_place
 
 _OWN_TIMEOUT: weakref.WeakSet = weakref.WeakSet()
 """Groups made by new_group_with_timeout: set_collective_timeout leaves their timeout alone."""
@@ -127,3 +135,81 @@ def _drop_group_refs(obj: object) -> int:
 def ranks_per_node() -> int:
     """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+class DistributedRuntime:
+    """This process's side of the job: the process group (made here, or adopted from a caller such as a test
+    harness, and then left alone), its collective timeout (comm.init_timeout_seconds until the first step is done,
+    comm.train_timeout_seconds after), the heartbeat, the report of a failed collective, and the teardown.
+
+    Only a group this runtime made gets the timeouts and the heartbeat: an adopted group is its owner's."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.owns_process_group = False
+        self.collective_timeout = float(comm.init_timeout_seconds)  # what a timed-out collective waited
+        self._train_timeout_set = False
+        self.heartbeat: Heartbeat | None = None
+        self.place = this_place()
+        self.hosts: list[str] = []  # a node name per rank, once `meet` has run
+
+    def init(self, device: torch.device) -> None:
+        """Join (or make) the process group; one that already exists is used as it is."""
+        if dist.is_initialized():
+            return
+        init_process_group(device, self.comm)  # torchrun (also under srun), or a group of one
+        self.owns_process_group = True
+
+    def meet(self) -> list[RankPlace]:
+        """Every rank's place (one all_gather_object). On a group this runtime made, the mesh's groups (made with
+        torch's default) are first bound by the init timeout too and the heartbeat starts before that collective,
+        so that after it every rank's key exists and the watchers can watch."""
+        if self.owns_process_group:
+            set_collective_timeout(self.collective_timeout)
+            world = dist.get_world_size()
+            if world > 1 and self.comm.heartbeat_seconds > 0:
+                store = dist.distributed_c10d._get_default_store()
+                self.heartbeat = Heartbeat(store, dist.get_rank(), world, self.comm.heartbeat_seconds)
+                self.heartbeat.start()
+        places = gather_places()
+        self.hosts = node_names(places)
+        if self.heartbeat is not None:
+            self.heartbeat.watch(self.hosts)
+        return places
+
+    def use_train_timeout(self) -> None:
+        """Set-up and the first step (its compile) are done: from now on a collective waits
+        comm.train_timeout_seconds. Only once, and only on a group this runtime made."""
+        if self.owns_process_group and not self._train_timeout_set:
+            self._train_timeout_set = True
+            self.collective_timeout = float(self.comm.train_timeout_seconds)
+            set_collective_timeout(self.collective_timeout)
+
+    def describe_failure(self, exc: BaseException) -> str | None:
+        """The one-line report of `exc` if a peer died or hung (failures.py), naming the ranks the heartbeat
+        found silent; None for any other error."""
+        silent = self.heartbeat.silent_ranks() if self.heartbeat is not None else []
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        return describe_comm_failure(exc, rank, self.place.host, self.collective_timeout, silent)
+
+    def comm_failures(self) -> contextlib.AbstractContextManager:
+        """A block in which a failed collective becomes CommFailureError(describe_failure(exc))."""
+        return comm_failures(self.describe_failure)
+
+    def stop_heartbeat(self, graceful: bool) -> None:
+        """Stop beating; graceful (a normal end) also tells the watchers not to report this rank."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(clean=graceful)
+            self.heartbeat = None
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the heartbeat and destroy the group this runtime made. graceful frees every group now, joining
+        gloo's threads (destroy_process_groups); otherwise (after an unexpected error, peers maybe gone or stuck)
+        only unregister them, talking to no other rank."""
+        self.stop_heartbeat(graceful)
+        if self.owns_process_group and dist.is_initialized():
+            if graceful:
+                destroy_process_groups()
+            else:
+                dist.destroy_process_group()
+        self.owns_process_group = False

@@ -46,3 +46,25 @@ def torch_ddp(model: nn.Module) -> nn.Module:
 
     dmuon.dedicate_params_ddp(model, mesh1("dp"), proj_predicate)
     return DistributedDataParallel(model)
+
+
+def matrix(kind: str, m: int, n: int, seed: int = 0) -> torch.Tensor:
+    """fp32 test inputs: "random" Gaussian; "illcond": singular values log-spaced from 1 down to 1e-6;
+    "lowrank": a rank-8 component of Frobenius norm 1 plus Gaussian noise of Frobenius norm 1e-2."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randn(m, n, generator=g)
+    s = min(m, n)
+    if kind == "illcond":
+        u, _ = torch.linalg.qr(torch.randn(m, s, generator=g, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(n, s, generator=g, dtype=torch.float64))
+        return (u @ torch.diag(torch.logspace(0, -6, s, dtype=torch.float64)) @ v.T).float()
+    assert kind == "lowrank"
+    low = torch.randn(m, 8, generator=g, dtype=torch.float64) @ torch.randn(8, n, generator=g, dtype=torch.float64)
+    noise = torch.randn(m, n, generator=g, dtype=torch.float64)
+    return (low / low.norm() + 1e-2 * noise / noise.norm()).float()
+
+
+def rank8_case() -> torch.Tensor:
+    """The issue's case: a 256×1024 gradient, a rank-8 component of norm 1 plus noise of norm 1e-2."""
+    return matrix("lowrank", 256, 1024, seed=0)

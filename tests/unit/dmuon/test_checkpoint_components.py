@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from tests.unit.framework.test_optimizer_components import _build, _cfg, _train_step
+from tests.optimizer_components import build_tiny, tiny_cfg, train_step
 from titan_dmuon.parallel import ParallelDims
 
 
@@ -30,16 +30,16 @@ def _sd(component) -> dict:
 
 @pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
 def test_component_checkpoint_round_trip(dims, tmp_path, name) -> None:
-    model, component = _build(_cfg(name), dims)
-    ref_model, ref = _build(_cfg(name), dims)
+    model, component = build_tiny(tiny_cfg(name), dims)
+    ref_model, ref = build_tiny(tiny_cfg(name), dims)
     for step in range(2):
-        _train_step(model, component, step)
-        _train_step(ref_model, ref, step)
+        train_step(model, component, step)
+        train_step(ref_model, ref, step)
     saved = _sd(component)
     assert list(saved["model"]) == list(model.state_dict())  # the unwrapped model's FQNs, in its order
     dcp.save(saved, checkpoint_id=str(tmp_path))
 
-    fresh_model, fresh = _build(_cfg(name), dims)
+    fresh_model, fresh = build_tiny(tiny_cfg(name), dims)
     template = _sd(fresh)
     assert set(template["model"]) == set(saved["model"])
     assert set(template["optimizer"]["state"]) == set(saved["optimizer"]["state"])  # complete before any step
@@ -63,6 +63,6 @@ def test_component_checkpoint_round_trip(dims, tmp_path, name) -> None:
         got, v = (t.full_tensor() if isinstance(t, DTensor) else t for t in (got, want[k]))
         assert torch.equal(got, v), k
     for step in (2, 3):
-        assert _train_step(fresh_model, fresh, step) == _train_step(ref_model, ref, step)
+        assert train_step(fresh_model, fresh, step) == train_step(ref_model, ref, step)
     for c in (component, ref, fresh):
         c.close()

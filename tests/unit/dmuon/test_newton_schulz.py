@@ -295,16 +295,28 @@ def test_output_dtype_is_requested(dtype, formulation):
         assert out.dtype == dtype and out.shape == G.shape
 
 
-def test_default_dtype_on_cpu_is_float32():
-    assert default_ns_dtype(torch.device("cpu")) == torch.float32
+def test_default_dtype_is_the_devices():
+    """bf16 on CUDA and on a CPU with native bf16 matmuls, fp32 on any other CPU; NS without `dtype` runs in it."""
+    from titan_dmuon.dmuon.newton_schulz import cpu_has_native_bf16
+
+    cpu = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert default_ns_dtype(torch.device("cpu")) == cpu
     assert default_ns_dtype(torch.device("cuda", 0)) == torch.bfloat16
     G = randn(10, 14, seed=13, dtype=torch.float64)
     out = zeropower_via_newtonschulz(G, ns_steps=5, coefficients="muon")
-    assert out.dtype == torch.float32
-    want = zeropower_via_newtonschulz(G.float(), ns_steps=5, coefficients="muon", dtype=torch.float32)
+    assert out.dtype == cpu
+    want = zeropower_via_newtonschulz(G.to(cpu), ns_steps=5, coefficients="muon", dtype=cpu)
     assert torch.equal(out, want)
     out = zeropower_via_newtonschulz(G.bfloat16(), ns_steps=5, coefficients="muon")
-    assert out.dtype == torch.float32
+    assert out.dtype == cpu  # the device's dtype, not the input's
+
+
+def test_default_dtype_follows_native_bf16(monkeypatch):
+    from titan_dmuon.dmuon import newton_schulz
+
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(newton_schulz, "cpu_has_native_bf16", lambda native=native: native)
+        assert newton_schulz.default_ns_dtype("cpu") == want
 
 
 def test_input_not_modified():

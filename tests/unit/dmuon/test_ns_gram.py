@@ -1,5 +1,6 @@
-"""The Gram formulation of Newton-Schulz against the direct one and against tests/reference.py's independent NS,
-on hard inputs (ill-conditioned, low-rank plus noise), and the singular-value band each coefficient set promises.
+"""The Gram formulation of Newton-Schulz against the direct one and against the independent NS of
+titan_dmuon/dmuon/ns_reference.py, on hard inputs (ill-conditioned, low-rank plus noise), and the singular-value
+band each coefficient set promises.
 
 Bands, measured by composing each step's scalar polynomial σ ← aσ + bσ³ + cσ⁵ over the normalized singular
 values (5 steps): Polar Express maps σ ∈ [1e-2, 1/1.01] into [0.870, 1.124] and σ ∈ [1e-3, 1/1.01] into
@@ -13,8 +14,9 @@ import math
 import pytest
 import torch
 
-from tests.reference import ns_schedule, reference_ns
+from tests.unit.dmuon.helpers import matrix, rank8_case
 from titan_dmuon.dmuon.newton_schulz import GRAM_RESTART_GAIN, gram_restarts, zeropower_via_newtonschulz
+from titan_dmuon.dmuon.ns_reference import ns_schedule, reference_ns
 
 COEFFS = ["polar_express", "muon"]
 
@@ -23,25 +25,8 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def matrix(kind: str, m: int, n: int, seed: int = 0) -> torch.Tensor:
-    """fp32 test inputs: "random" Gaussian; "illcond": singular values log-spaced from 1 down to 1e-6;
-    "lowrank": a rank-8 component of Frobenius norm 1 plus Gaussian noise of Frobenius norm 1e-2."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "random":
-        return torch.randn(m, n, generator=g)
-    s = min(m, n)
-    if kind == "illcond":
-        u, _ = torch.linalg.qr(torch.randn(m, s, generator=g, dtype=torch.float64))
-        v, _ = torch.linalg.qr(torch.randn(n, s, generator=g, dtype=torch.float64))
-        return (u @ torch.diag(torch.logspace(0, -6, s, dtype=torch.float64)) @ v.T).float()
-    assert kind == "lowrank"
-    low = torch.randn(m, 8, generator=g, dtype=torch.float64) @ torch.randn(8, n, generator=g, dtype=torch.float64)
-    noise = torch.randn(m, n, generator=g, dtype=torch.float64)
-    return (low / low.norm() + 1e-2 * noise / noise.norm()).float()
-
-
 def composed(sigma: torch.Tensor, coefficients: str, steps: int = 5) -> torch.Tensor:
-    """The scalar map NS applies to each normalized singular value (tests/reference.py's schedule)."""
+    """The scalar map NS applies to each normalized singular value (ns_reference.py's schedule)."""
     triples, _ = ns_schedule(coefficients, steps)
     for a, b, c in triples:
         sigma = a * sigma + b * sigma**3 + c * sigma**5
@@ -64,7 +49,7 @@ def test_gram_equals_direct_fp32(kind, shape, coefficients):
 
 @pytest.mark.parametrize("coefficients", COEFFS)
 def test_gram_batch_equals_reference_gram(coefficients):
-    """A batch in the Gram formulation: each matrix as tests/reference.py's Gram NS (fp32) computes it."""
+    """A batch in the Gram formulation: each matrix as ns_reference.py's Gram NS (fp32) computes it."""
     G = torch.stack([matrix(k, 24, 64, seed=i) for i, k in enumerate(["random", "illcond", "lowrank"])])
     got = zeropower_via_newtonschulz(G, coefficients=coefficients, dtype=torch.float32, formulation="gram")
     for g, o in zip(G, got, strict=True):
@@ -111,17 +96,12 @@ def test_singular_values_in_the_promised_band(coefficients, band, formulation, d
     assert band[0] - tol <= got.min() and got.max() <= band[1] + tol
 
 
-def _rank8_case() -> torch.Tensor:
-    """The issue's case: a 256×1024 gradient, a rank-8 component of norm 1 plus noise of norm 1e-2."""
-    return matrix("lowrank", 256, 1024, seed=0)
-
-
 @pytest.mark.parametrize("coefficients", COEFFS)
 def test_bf16_gram_stays_near_the_polar_factor_on_a_rank8_gradient(coefficients):
-    """Unrestarted bf16 Gram NS (tests/reference.py's, in bf16) blows this case up by orders of magnitude; the
+    """Unrestarted bf16 Gram NS (ns_reference.py's, in bf16) blows this case up by orders of magnitude; the
     library's Gram NS (restarts, fp32 iterates) stays as close to the exact iteration and to the true polar
     factor U Vᵀ as bf16 direct NS does."""
-    G = _rank8_case()
+    G = rank8_case()
     exact = reference_ns(G.double(), coefficients, 5, 1e-7, dtype=torch.float64)
     u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
     polar = u @ vh
@@ -136,3 +116,16 @@ def test_bf16_gram_stays_near_the_polar_factor_on_a_rank8_gradient(coefficients)
         assert abs(out.double().norm() / exact.norm() - 1) < 0.05
     assert rel(gram, exact) < 1.25 * rel(direct, exact)
     assert rel(gram, polar) < rel(exact, polar) + 0.05
+
+
+def test_the_reference_ns_shares_no_code_with_the_library() -> None:
+    """ns_reference.py imports nothing from titan_dmuon: a bug in newton_schulz.py cannot hide in its reference."""
+    import ast
+
+    from titan_dmuon.dmuon import ns_reference
+
+    tree = ast.parse(open(ns_reference.__file__).read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree)), "a relative import"
+    assert sorted(set(imported)) == ["__future__", "torch"]

@@ -13,9 +13,10 @@ import logging
 import pytest
 import torch
 
-from tests.reference import reference_ns
+from tests.unit.dmuon.helpers import rank8_case
 from titan_dmuon.dmuon import ns_ops
 from titan_dmuon.dmuon.newton_schulz import get_ns_backend, zeropower_via_newtonschulz
+from titan_dmuon.dmuon.ns_reference import reference_ns
 
 
 def rel(a, b) -> float:
@@ -124,7 +125,7 @@ def test_sym_matmul_errors(syrk):
 @pytest.mark.parametrize("coefficients", ["polar_express", "muon"])
 @pytest.mark.parametrize("shape", [(24, 72), (72, 24), (2, 40, 72)], ids=["wide", "tall", "batch"])
 def test_ns_with_triton_against_the_reference(syrk, shape, coefficients, formulation):
-    """The whole NS with the Triton kernel against tests/reference.py's fp32 NS (torch.optim.Muon's loop)."""
+    """The whole NS with the Triton kernel against ns_reference.py's fp32 NS (torch.optim.Muon's loop)."""
     G = randn(*shape, seed=5)
     got = zeropower_via_newtonschulz(
         G, coefficients=coefficients, dtype=torch.float32, formulation=formulation, kernel="triton"
@@ -149,9 +150,7 @@ def test_ns_with_triton_bf16_close_to_torch_bf16(syrk, formulation):
 @pytest.mark.slow
 def test_triton_bf16_gram_on_the_rank8_gradient(syrk):
     """The issue's 256×1024 case with the Triton kernel (fp32 iterates): near the exact iteration."""
-    from tests.unit.dmuon.test_ns_gram import _rank8_case
-
-    G = _rank8_case()
+    G = rank8_case()
     exact = reference_ns(G.double(), "polar_express", 5, 1e-7, dtype=torch.float64)
     got = zeropower_via_newtonschulz(G, dtype=torch.bfloat16, formulation="gram", kernel="triton")
     assert abs(got.double().norm() / exact.norm() - 1) < 0.05

@@ -11,18 +11,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.optimizer_components import build_tiny, tiny_batch, tiny_cfg, train_step
 from titan_dmuon.components.model import get_model_spec
 from titan_dmuon.components.optimizer import (
     NaiveMuon,
-    OptimizerComponent,
     available_optimizers,
     build_optimizer_component,
     get_optimizer_component,
 )
-from titan_dmuon.config import ConfigError, JobConfig
-from titan_dmuon.parallel import ParallelDims, parallelize
+from titan_dmuon.config import ConfigError
+from titan_dmuon.parallel import ParallelDims
 
-VOCAB, SEQ, BATCH = 64, 16, 4
 _MATRICES = [f"attention.{w}" for w in ("wk", "wo", "wq", "wv")] + [f"feed_forward.w{i}" for i in (1, 2, 3)]
 
 
@@ -35,66 +34,24 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def _cfg(name: str, **muon) -> JobConfig:
-    cfg = JobConfig()
-    cfg.optimizer.name = name
-    cfg.model.flavor = "tinymodel"
-    cfg.training.seq_len = SEQ
-    for key, value in muon.items():
-        setattr(cfg.optimizer.muon, key, value)
-    return cfg
-
-
-def _build(cfg: JobConfig, dims: ParallelDims) -> tuple[torch.nn.Module, OptimizerComponent]:
-    spec = get_model_spec(cfg.model.name)
-    model = spec.build(cfg.model.flavor, vocab_size=VOCAB, max_seq_len=SEQ)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=torch.device("cpu"))
-    component = build_optimizer_component(cfg, spec)
-    parallelize(model, dims, dims.build_mesh("cpu"), cfg, spec, component)
-    component.build()
-    return model, component
-
-
-def _batch(step: int) -> torch.Tensor:
-    """Two batches in turn: random tokens the model can only learn by memorizing them (the loss falls)."""
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
-
-
-def _train_step(model, component: OptimizerComponent, step: int, max_norm: float = 1.0) -> tuple[float, float]:
-    """Two micro-batches (the first under no_sync), clip, step: as the trainer does."""
-    spec = component.spec
-    component.optimizer.zero_grad()
-    total = 0.0
-    for i, half in enumerate(_batch(step).chunk(2)):
-        with component.no_sync() if i == 0 else torch.enable_grad():
-            loss = spec.loss_fn(model(half[:, :-1]), half[:, 1:]) / 2
-            loss.backward()
-        total += loss.item()
-    norm = component.clip_grad_norm_(max_norm).item()
-    component.optimizer.step()
-    return total, norm
-
-
 def test_registry_lists_the_three() -> None:
     assert available_optimizers() == ["adamw", "dmuon", "muon_naive"]
     with pytest.raises(ValueError, match=r"unknown optimizer 'sgd'; registered optimizers: adamw, dmuon, muon_naive"):
         get_optimizer_component("sgd")
     with pytest.raises(ConfigError, match=r"optimizer\.name: unknown optimizer 'sgd'"):
-        build_optimizer_component(_cfg("sgd"), get_model_spec("llama3"))
+        build_optimizer_component(tiny_cfg("sgd"), get_model_spec("llama3"))
 
 
 @pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
 def test_protocol(one_rank, name) -> None:
-    model, component = _build(_cfg(name), one_rank)
+    model, component = build_tiny(tiny_cfg(name), one_rank)
     opt = component.optimizer
     kinds = sorted({g["kind"] for g in opt.param_groups})
     assert kinds == (["adamw"] if name == "adamw" else ["adamw", "muon"])
     # FSDP2 manages every param but DMuon's dedicated matrices (passed to fully_shard as ignored_params).
     plain = sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
     assert plain == ([f"layers.{i}.{m}.weight" for i in range(2) for m in _MATRICES] if name == "dmuon" else [])
-    losses = [_train_step(model, component, step)[0] for step in range(6)]
+    losses = [train_step(model, component, step)[0] for step in range(6)]
     assert losses[-1] < losses[0]
     stats = component.step_stats()
     # One rank: no collective moves anything, so no byte series; the Muon ones count their Newton-Schulz runs.
@@ -111,7 +68,7 @@ def test_fsdp_units(one_rank, name) -> None:
     all-gather per step instead of three small collectives per block); under the others every block is a unit."""
     from torch.distributed.fsdp import FSDPModule
 
-    model, component = _build(_cfg(name), one_rank)
+    model, component = build_tiny(tiny_cfg(name), one_rank)
     units = [isinstance(block, FSDPModule) for _, block in component.spec.blocks(model)]
     assert units == [name != "dmuon"] * 2
     assert isinstance(model, FSDPModule)
@@ -120,7 +77,7 @@ def test_fsdp_units(one_rank, name) -> None:
     assert norms and all(isinstance(p, DTensor) for p in norms.values())
     before = {n: p.full_tensor().clone() for n, p in norms.items()}
     for step in range(2):
-        _train_step(model, component, step)
+        train_step(model, component, step)
     assert all(not torch.equal(before[n], p.full_tensor()) for n, p in norms.items())
     component.close()
 
@@ -130,13 +87,13 @@ def test_bf16_blocks_get_the_fp32_rope_table(one_rank, name) -> None:
     """Under bf16 mixed precision a block computes in bf16 but rotates by the exact fp32 RoPE table, whether it
     is an FSDP2 unit (adamw) or not (dmuon): FSDP2 would otherwise cast that input to bf16 for units only, and the
     two optimizers would train different models."""
-    cfg = _cfg(name)
+    cfg = tiny_cfg(name)
     cfg.training.mixed_precision_param = "bfloat16"
-    model, component = _build(cfg, one_rank)
+    model, component = build_tiny(cfg, one_rank)
     seen = []
     block = component.spec.blocks(model)[0][1]
     handle = block.register_forward_pre_hook(lambda _m, args: seen.append([a.dtype for a in args]))
-    model(_batch(0)[:, :-1])
+    model(tiny_batch(0)[:, :-1])
     handle.remove()
     assert seen == [[torch.bfloat16, torch.float32]]
     component.close()
@@ -155,11 +112,11 @@ def _state_tensors(sd: dict) -> dict[str, torch.Tensor]:
 def test_state_dict_round_trip(one_rank, name) -> None:
     """state_dict after 2 steps, cleared state, load_state_dict: the same state back, and step 3 trains exactly
     like an uninterrupted run's."""
-    model, component = _build(_cfg(name), one_rank)
-    ref_model, ref = _build(_cfg(name), one_rank)
+    model, component = build_tiny(tiny_cfg(name), one_rank)
+    ref_model, ref = build_tiny(tiny_cfg(name), one_rank)
     for step in range(2):
-        _train_step(model, component, step)
-        _train_step(ref_model, ref, step)
+        train_step(model, component, step)
+        train_step(ref_model, ref, step)
     saved = copy.deepcopy(component.state_dict())
     before = _state_tensors(saved)
     assert any(k.endswith("momentum_buffer") for k in before) == (name != "adamw")
@@ -170,7 +127,7 @@ def test_state_dict_round_trip(one_rank, name) -> None:
     assert sorted(after) == sorted(before)
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
-    assert _train_step(model, component, 2) == _train_step(ref_model, ref, 2)
+    assert train_step(model, component, 2) == train_step(ref_model, ref, 2)
     component.close()
     ref.close()
 
@@ -183,8 +140,8 @@ def test_muon_naive_update_equals_dmuon(one_rank) -> None:
     )
     runs = {}
     for name in ("dmuon", "muon_naive"):
-        model, component = _build(_cfg(name, **options), one_rank)
-        runs[name] = [_train_step(model, component, step, max_norm=0.5) for step in range(4)]
+        model, component = build_tiny(tiny_cfg(name, **options), one_rank)
+        runs[name] = [train_step(model, component, step, max_norm=0.5) for step in range(4)]
         component.close()
     torch.testing.assert_close(runs["muon_naive"], runs["dmuon"], rtol=1e-6, atol=0)
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.integration.test_train import REPO
+from tests.train_runs import REPO
 
 _SCRIPT = textwrap.dedent(
     """

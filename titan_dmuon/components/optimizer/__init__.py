@@ -3,7 +3,6 @@ registry; importing this package registers the three)."""
 
 from . import adamw, dmuon, muon_naive  # noqa: F401 (each registers itself)
 from .base import (
-    NS_DTYPES,
     OptimizerComponent,
     available_optimizers,
     build_optimizer_component,
@@ -14,7 +13,6 @@ from .base import (
 from .muon_naive import NaiveMuon
 
 __all__ = [
-    "NS_DTYPES",
     "NaiveMuon",
     "OptimizerComponent",
     "available_optimizers",

@@ -45,31 +45,18 @@ if TYPE_CHECKING:
 
 Predicate = Callable[[str, nn.Parameter], bool]
 
-NS_DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-"""`optimizer.muon.ns_dtype` -> the dtype Newton-Schulz runs in (None: the library's default for the device)."""
-
 
 def muon_options(cfg: JobConfig) -> dict[str, Any]:
-    """The Muon update and AdamW settings of `[optimizer.muon]` and `[optimizer.adamw]` as keyword arguments,
-    spelled as dmuon.Muon takes them: every Muon-family component builds from the same dict, so they cannot
-    drift apart."""
-    m, a = cfg.optimizer.muon, cfg.optimizer.adamw
+    """The Muon update (`[optimizer.muon]` as a dmuon.MuonOptions) and AdamW (`[optimizer.adamw]`) settings as keyword
+    arguments, spelled as dmuon.Muon and NaiveMuon take them: every Muon-family component builds from the same dict,
+    so they cannot drift apart."""
+    a = cfg.optimizer.adamw
     return dict(
-        lr=m.lr,
-        momentum=m.momentum,
-        nesterov=m.nesterov,
-        weight_decay=m.weight_decay,
-        ns_steps=m.ns_steps,
-        ns_coefficients=m.ns_coefficients,
-        eps=m.eps,
-        adjust_lr_fn=m.adjust_lr_fn,
+        options=cfg.optimizer.muon.to_options(),
         adamw_lr=a.lr,
         adamw_betas=tuple(a.betas),
         adamw_eps=a.eps,
         adamw_weight_decay=a.weight_decay,
-        ns_dtype=NS_DTYPES[m.ns_dtype],
-        ns_formulation=m.ns_formulation,
-        kernel=m.kernel,
     )
 
 

@@ -44,7 +44,8 @@ class DMuon(OptimizerComponent):
         super().prepare(model, dims, mesh)
         self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
         blocks = {id(block) for _, block in self.spec.blocks(model)}
-        param_dtype = torch.bfloat16 if self.cfg.training.mixed_precision_param == "bfloat16" else None
+        t = self.cfg.training
+        param_dtype = dmuon.to_dtype(t.mixed_precision_param) if t.mixed_precision_param != "float32" else None
         owners = dmuon.dedicate_params(
             model,
             mesh["shard"],
@@ -54,7 +55,7 @@ class DMuon(OptimizerComponent):
             # one packed broadcast/reduce per block (FSDP2 leaves the blocks to its root unit: fsdp_blocks)
             hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
             param_dtype=param_dtype,
-            reduce_dtype=getattr(torch, self.cfg.training.mixed_precision_reduce),  # as FSDP2's reduce_dtype
+            reduce_dtype=dmuon.to_dtype(t.mixed_precision_reduce),  # as FSDP2's reduce_dtype
         )
         self.own_params = set(owners)
         return self.own_params

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_dmuon.dmuon.muon import adamw_step, adjusted_lr
-from titan_dmuon.dmuon.newton_schulz import Coefficients, default_ns_dtype, zeropower_via_newtonschulz
+from titan_dmuon import dmuon
 
 from .base import OptimizerComponent, muon_options, register_optimizer
 
@@ -26,53 +26,37 @@ class NaiveMuon(torch.optim.Optimizer):
     """Muon on (FSDP2/TP-sharded) matrices by gathering each grad and orthogonalizing it on every rank; AdamW
     (torch's functional kernel, foreach) on the other params.
 
-    Param groups carry `kind` "muon" or "adamw" like dmuon.Muon's, so one lr scheduler scales both.
-    `last_step_stats` holds this rank's Newton-Schulz calls and time and the bytes it received all-gathering
-    the grads.
+    Takes the same options as dmuon.Muon (a `dmuon.MuonOptions` and/or its fields by keyword, the same defaults;
+    `ns_max_batch_elements` has no effect: each matrix runs alone) and the same `adamw_*` arguments. Param groups
+    carry `kind` "muon" or "adamw" like dmuon.Muon's, so one lr scheduler scales both. `last_step_stats` holds
+    this rank's Newton-Schulz calls and time and the bytes it received all-gathering the grads.
     """
 
     def __init__(
         self,
         muon_params: Sequence[nn.Parameter],
         adamw_params: Sequence[nn.Parameter],
+        options: dmuon.MuonOptions | None = None,
         *,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
-        ns_coefficients: Coefficients = "polar_express",
-        eps: float = 1e-7,
-        adjust_lr_fn: str | None = "match_rms_adamw",
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
-        ns_dtype: torch.dtype | None = None,
-        ns_formulation: str = "direct",
-        kernel: str = "auto",
+        **muon_options: Any,
     ):
-        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # validate early
-        muon = dict(
-            kind="muon",
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        self.options = dmuon.MuonOptions.of(options, **muon_options)
+        muon = dict(kind="muon", **self.options.group_defaults())
         adamw = dict(
             kind="adamw", lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
         )
         groups = [{"params": list(ps), **opts} for ps, opts in ((adamw_params, adamw), (muon_params, muon)) if ps]
         super().__init__(groups, {})
-        self.ns_dtype = ns_dtype
-        self.ns_formulation = ns_formulation  # the same NS as dmuon.Muon's for the same options
-        self.kernel = kernel
         self.last_step_stats: dict[str, float] = {}
+
+    # The optimizer-wide NS settings, as attributes (read-only: they are `options`').
+    ns_dtype = property(lambda self: self.options.ns_dtype, doc="MuonOptions.ns_dtype (None: the device's default).")
+    ns_formulation = property(lambda self: self.options.ns_formulation, doc="MuonOptions.ns_formulation.")
+    kernel = property(lambda self: self.options.kernel, doc="MuonOptions.kernel.")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,33 +82,19 @@ class NaiveMuon(torch.optim.Optimizer):
             local_numel = grad.to_local().numel()
             grad = grad.full_tensor()  # the all-gather DMuon never does
             stats["bytes_all_gather"] += (grad.numel() - local_numel) * grad.element_size()
-        state = self.state[p]
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = state["momentum_buffer"] = torch.zeros_like(grad)
-        mu = opts["momentum"]
-        buf.lerp_(grad, 1 - mu)
-        update = grad.lerp(buf, mu) if opts["nesterov"] else buf
+        update = dmuon.momentum_update(grad, self.state[p], opts)  # the same rule as dmuon.Muon's
         t0 = time.perf_counter()
-        ortho = zeropower_via_newtonschulz(
-            update,
-            ns_steps=opts["ns_steps"],
-            coefficients=opts["ns_coefficients"],
-            eps=opts["eps"],
-            dtype=self.ns_dtype or default_ns_dtype(update.device),
-            formulation=self.ns_formulation,
-            kernel=self.kernel,
-        )
+        ortho = dmuon.zeropower_via_newtonschulz(update, **self.options.ns_kwargs(opts, update.device))
         stats["ns_time_s"] += time.perf_counter() - t0
         stats["ns_calls"] += 1
         local = p.to_local() if isinstance(p, DTensor) else p
         if isinstance(p, DTensor):  # this rank's piece, for any placement (no communication)
             ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
         local.mul_(1 - opts["lr"] * opts["weight_decay"])
-        local.add_(ortho.to(local.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], p.shape))
+        local.add_(ortho.to(local.dtype), alpha=-dmuon.adjusted_lr(opts["lr"], opts["adjust_lr_fn"], p.shape))
 
     def _adamw_step(self, group: dict) -> None:
-        adamw_step(group, self.state)
+        dmuon.adamw_step(group, self.state)
 
 
 @register_optimizer
@@ -142,9 +112,7 @@ class MuonNaive(OptimizerComponent):
         muon = {id(p) for _, p in self.select_muon_params(self.model)}  # FSDP2's params now: select again
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = NaiveMuon(
-            [p for p in params if id(p) in muon],
-            [p for p in params if id(p) not in muon],
-            **muon_options(self.cfg),
+            [p for p in params if id(p) in muon], [p for p in params if id(p) not in muon], **muon_options(self.cfg)
         )
         return self.optimizer
 
