@@ -19,7 +19,7 @@ Triton needs a GPU (its interpreter is for tests, not timing).
 `--check` first runs the Triton kernels on `--device` against float64 (the checks of
 tests/unit/dmuon/test_ns_triton.py, which run them under the CPU interpreter, here on the real GPU: square, ragged,
 tall, wide and batched/strided products in fp32/bf16/fp16, each operand precision, the full product, the whole NS
-against the independent reference NS of titan_dmuon/dmuon/ns_reference.py) and prints PASS/FAIL per check and what
+against the library's own torch backend in float64) and prints PASS/FAIL per check and what
 `kernel="auto"` resolves to (`get_ns_backend`); on CPU it needs TRITON_INTERPRET=1. `--check-only` stops there.
 
 Prints a table and one summary line `bench_ns ...: speed-up of gram over direct Ax, of batched over one-by-one Bx,
@@ -48,7 +48,6 @@ from titan_dmuon.dmuon.newton_schulz import (  # noqa: E402
     zeropower_via_newtonschulz,
 )
 from titan_dmuon.dmuon.ns_ops import resolve_kernel, triton_unusable  # noqa: E402
-from titan_dmuon.dmuon.ns_reference import reference_ns  # noqa: E402
 
 # (short, long) of each distinct Muon matrix of a Llama-3 block: dim, kv width (8 heads x 128), ffn hidden
 LLAMA3 = {
@@ -60,6 +59,12 @@ LLAMA3 = {
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _exact(g: torch.Tensor, coefficients: str) -> torch.Tensor:
+    """The kernels' reference: the same NS on the torch backend in float64 (tests/ compare that backend with an
+    independent NS)."""
+    return zeropower_via_newtonschulz(g.double(), coefficients=coefficients, dtype=torch.float64, kernel="torch")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,12 +131,12 @@ def check_kernels(device: torch.device) -> bool:
                     G, coefficients=coefficients, dtype=torch.float32, formulation=formulation, kernel="triton"
                 )
                 err = max(
-                    _rel(o, reference_ns(g, coefficients, 5, 1e-7, dtype=torch.float32))
+                    _rel(o, _exact(g, coefficients))
                     for g, o in zip(G.reshape(-1, *shape[-2:]), got.reshape(-1, *shape[-2:]), strict=True)
                 )
                 checks.append((f"NS fp32 triton {formulation} {coefficients} {shape}", err, 2e-5))
         G = torch.randn(40, 96, generator=torch.Generator().manual_seed(6)).to(device)  # the unit test's input
-        exact = reference_ns(G.double(), "polar_express", 5, 1e-7, dtype=torch.float64)
+        exact = _exact(G, "polar_express")
         got = zeropower_via_newtonschulz(G, dtype=torch.bfloat16, formulation=formulation, kernel="triton")
         checks.append((f"NS bf16 triton {formulation} vs exact", _rel(got, exact), 3e-2))
     ok = True

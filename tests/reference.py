@@ -1,7 +1,7 @@
 """Single-process reference: torch.optim.Muon (its bf16 NS swapped for the same iteration in fp32) + AdamW.
 
 Nothing here uses the code under test: the Newton-Schulz iteration is torch.optim.Muon's own, written out in
-fp32 (titan_dmuon/dmuon/ns_reference.py, plus the Polar Express coefficient table as published, a module that
+fp32 (tests/ns_reference.py, plus the Polar Express coefficient table as published, a module that
 imports nothing from titan_dmuon), so a bug in titan_dmuon cannot hide in its own reference.
 """
 
@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 import torch.optim._muon as torch_muon
 
-from titan_dmuon.dmuon.ns_reference import MUON_ABC, reference_ns
+from tests.ns_reference import MUON_ABC, reference_ns
 
 MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -30,14 +30,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_dmuon.components.checkpoint import CheckpointManager, check_async_mode
-from titan_dmuon.components.dataloader import build_job_dataloader, global_batch_size
 from titan_dmuon.components.initialization import materialize
+from titan_dmuon.components.loaders import build_job_dataloader, global_batch_size
 from titan_dmuon.components.lr_scheduler import build_lr_scheduler
 from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from titan_dmuon.components.validate import Validator, build_validator
+from titan_dmuon.components.validate import Validator
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
 from titan_dmuon.data import DataError, build_tokenizer
 from titan_dmuon.parallel import ParallelDims, parallelize
@@ -125,8 +125,10 @@ class Trainer:
             seed=self.seed,
             device=self.device,
         )
-        self.validator = build_validator(
-            cfg, self.tokenizer, self.dp_rank, self.dp_world_size, self.device, self.seed, self._eval_loss
+        self.validator = (
+            Validator(cfg, self.tokenizer, self.dp_rank, self.dp_world_size, self.device, self.seed, self._eval_loss)
+            if cfg.validation.enable
+            else None
         )
         # 6. Model, on the meta device: nothing is allocated yet.
         model = build_meta_model(self.spec, cfg, self.tokenizer.vocab_size)

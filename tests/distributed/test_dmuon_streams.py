@@ -52,7 +52,7 @@ WAIT_STREAM = {
 WRAPPED = ("broadcast", "reduce", "gather", "scatter", "all_reduce", "all_gather")
 # DMuon files whose collectives are sync by design: a scalar or a one-off consumed on the next line (the grad
 # norm of clip_grad_norm_, replicate's end-of-backward all-reduce of the non-dedicated params, state dicts).
-SYNC_BY_DESIGN = ("clip.py", "ddp.py", "checkpoint.py", "api.py")
+SYNC_BY_DESIGN = ("clip.py", "ddp.py", "state_dict.py", "api.py")
 
 
 def _caller() -> tuple[str, str] | None:

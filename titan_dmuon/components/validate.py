@@ -1,5 +1,5 @@
 """Validation: the mean loss and perplexity of held-out data every validation.freq steps, like torchtitan's
-Validator. It owns its loader (components/dataloader.py) and asks the trainer only for a loss: the trainer's
+Validator. It owns its loader (components/loaders.py) and asks the trainer only for a loss: the trainer's
 forward, loss and loss-parallel context stay the trainer's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from titan_dmuon.components.dataloader import build_job_dataloader
+from titan_dmuon.components.loaders import build_job_dataloader
 from titan_dmuon.config import JobConfig
 from titan_dmuon.data import Tokenizer
 
@@ -61,19 +61,4 @@ class Validator:
         return {"loss/validation": mean, "perplexity/validation": math.exp(min(mean, 700.0))}
 
 
-def build_validator(
-    cfg: JobConfig,
-    tokenizer: Tokenizer,
-    dp_rank: int,
-    dp_world_size: int,
-    device: torch.device,
-    seed: int,
-    loss_fn: LossFn,
-) -> Validator | None:
-    """The job's Validator, or None when validation.enable is off."""
-    if not cfg.validation.enable:
-        return None
-    return Validator(cfg, tokenizer, dp_rank, dp_world_size, device, seed, loss_fn)
-
-
-__all__ = ["LossFn", "Validator", "build_validator"]
+__all__ = ["LossFn", "Validator"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.ns_reference import MUON_ABC, POLAR_EXPRESS
 from titan_dmuon.dmuon.muon import adjusted_lr
 from titan_dmuon.dmuon.newton_schulz import zeropower_via_newtonschulz
-from titan_dmuon.dmuon.ns_reference import MUON_ABC, POLAR_EXPRESS
 
 SHAPES = {"tall": (8, 2), "wide": (3, 12), "square": (4, 4)}
 # lr factors written out: "original" sqrt(max(1, rows/cols)), "match_rms_adamw" 0.2·sqrt(max(rows, cols))

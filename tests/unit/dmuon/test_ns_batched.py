@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
+from tests.ns_reference import reference_ns
 from tests.unit.dmuon.helpers import DEDICATED, dedicated, tiny, x
 from titan_dmuon import dmuon
 from titan_dmuon.dmuon.newton_schulz import batch_plan, orthogonalize_stack, zeropower_via_newtonschulz
-from titan_dmuon.dmuon.ns_reference import reference_ns
 
 
 def rel(a, b) -> float:

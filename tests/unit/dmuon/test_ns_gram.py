@@ -1,5 +1,5 @@
 """The Gram formulation of Newton-Schulz against the direct one and against the independent NS of
-titan_dmuon/dmuon/ns_reference.py, on hard inputs (ill-conditioned, low-rank plus noise), and the singular-value
+tests/ns_reference.py, on hard inputs (ill-conditioned, low-rank plus noise), and the singular-value
 band each coefficient set promises.
 
 Bands, measured by composing each step's scalar polynomial σ ← aσ + bσ³ + cσ⁵ over the normalized singular
@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
+from tests.ns_reference import ns_schedule, reference_ns
 from tests.unit.dmuon.helpers import matrix, rank8_case
 from titan_dmuon.dmuon.newton_schulz import GRAM_RESTART_GAIN, gram_restarts, zeropower_via_newtonschulz
-from titan_dmuon.dmuon.ns_reference import ns_schedule, reference_ns
 
 COEFFS = ["polar_express", "muon"]
 
@@ -122,7 +122,7 @@ def test_the_reference_ns_shares_no_code_with_the_library() -> None:
     """ns_reference.py imports nothing from titan_dmuon: a bug in newton_schulz.py cannot hide in its reference."""
     import ast
 
-    from titan_dmuon.dmuon import ns_reference
+    from tests import ns_reference
 
     tree = ast.parse(open(ns_reference.__file__).read())
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]

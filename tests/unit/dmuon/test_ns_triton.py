@@ -13,10 +13,10 @@ import logging
 import pytest
 import torch
 
+from tests.ns_reference import reference_ns
 from tests.unit.dmuon.helpers import rank8_case
 from titan_dmuon.dmuon import ns_ops
 from titan_dmuon.dmuon.newton_schulz import get_ns_backend, zeropower_via_newtonschulz
-from titan_dmuon.dmuon.ns_reference import reference_ns
 
 
 def rel(a, b) -> float:

@@ -2,8 +2,8 @@
 
 torch.optim.Muon's iteration (`torch.optim._muon._zeropower_via_newtonschulz`) written out in the dtype asked for
 instead of bf16, with the "muon" and "polar_express" coefficient schedules (the Polar Express table as
-published) and, optionally, the same polynomial run on the s×s Gram matrix. The tests and
-`scripts/bench_ns.py --check` compare the library's NS (newton_schulz.py, its Triton kernels) against it.
+published) and, optionally, the same polynomial run on the s×s Gram matrix. The tests compare
+the library's NS (newton_schulz.py, its Triton kernels) against it.
 
 It deliberately shares no code with the library's NS: this module imports nothing from titan_dmuon (a unit
 test checks), so a bug in newton_schulz.py cannot hide in its own reference.
