@@ -18,7 +18,7 @@ if [[ ! -f "$CONFIG" && -f "$ROOT/train_configs/$CONFIG" ]]; then
 fi
 
 # Each rank writes its exit status (and its one-line message) here and exits 0, so torchrun does not bury it under a
-# traceback of its own (titan_dmuon/parallel/exit_status.py); a crash still exits non-zero and torchrun reports it.
+# traceback of its own (titan_dmuon/exit_status.py); a crash still exits non-zero and torchrun reports it.
 TITAN_DMUON_STATUS_DIR="$(mktemp -d)"
 export TITAN_DMUON_STATUS_DIR
 trap 'rm -rf "$TITAN_DMUON_STATUS_DIR"' EXIT
@@ -44,4 +44,4 @@ if [[ "$rc" -ne 0 ]]; then
     exit "$rc"  # a crash: torchrun has reported it
 fi
 # the largest status the ranks wrote; each distinct message once
-python -m titan_dmuon.parallel.exit_status collect
+python -m titan_dmuon.exit_status collect

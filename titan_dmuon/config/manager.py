@@ -381,17 +381,17 @@ def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
 
 def report_config_error(e: ConfigError) -> int:
     """The one place a config error is printed, as `config error: ...`: the exit status (2, or 0 under our
-    launchers, which print each rank's distinct message once; titan_dmuon/parallel/exit_status.py)."""
-    from titan_dmuon.parallel.exit_status import report
+    launchers, which print each rank's distinct message once; titan_dmuon/exit_status.py)."""
+    from titan_dmuon.exit_status import report
 
     return report(2, f"config error: {e}")
 
 
 def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
     """For entry points: a ConfigError exits through `report_config_error` (status 2); tyro exits 2 for an unknown
-    or malformed flag, with its own message. Under our launchers (titan_dmuon/parallel/exit_status.py) both messages
+    or malformed flag, with its own message. Under our launchers (titan_dmuon/exit_status.py) both messages
     go to the launcher, which prints each distinct one once, instead of once per rank."""
-    from titan_dmuon.parallel.exit_status import ENV, report
+    from titan_dmuon.exit_status import ENV, report
 
     captured = io.StringIO()
     capture = bool(os.environ.get(ENV))

@@ -7,6 +7,10 @@ that sets `TITAN_DMUON_STATUS_DIR`, each rank writes its exit status to a file t
 once torchrun is done, exits with the largest status written. A rank that crashes (an uncaught exception) writes
 nothing and exits 1 as before, and torchrun's report of it stands. Without the variable (plain `python train.py`,
 a bare torchrun) the status is the exit code itself.
+
+It lives outside `parallel/` and imports only the standard library: the launchers run `python -m
+titan_dmuon.exit_status signal ...` to pass a stop signal on, and it must arrive in milliseconds, not after
+importing torch.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def collect(folder: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m titan_dmuon.parallel.exit_status collect`: the run's status from `$TITAN_DMUON_STATUS_DIR`;
+    """`python -m titan_dmuon.exit_status collect`: the run's status from `$TITAN_DMUON_STATUS_DIR`;
     `... signal SIGNAME`: signal this node's training processes (node: `SLURMD_NODENAME`, else the host name)."""
     folder = Path(os.environ[ENV])
     if argv[:1] == ["collect"]:
@@ -89,7 +93,7 @@ def main(argv: list[str]) -> int:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         signal_node(folder, int(getattr(signal, argv[1] if argv[1].startswith("SIG") else f"SIG{argv[1]}")), node)
         return 0
-    print("usage: python -m titan_dmuon.parallel.exit_status collect | signal SIGNAME", file=sys.stderr)
+    print("usage: python -m titan_dmuon.exit_status collect | signal SIGNAME", file=sys.stderr)
     return 2
 
 
