@@ -16,10 +16,13 @@ import atexit
 import contextlib
 import faulthandler
 import functools
+import logging
 import os
 import pickle
+import runpy
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -141,35 +144,83 @@ def _rank_process(rank: int, world_size: int, port: int, outdir: str, job: bytes
         os._exit(code)
 
 
+def _script_process(rank: int, world_size: int, port: int, outdir: str, job: bytes) -> None:
+    """A forked rank of a script run as `python SCRIPT ARGS` (one rank) or under torchrun (its environment
+    variables): stdout and stderr to `outdir/rank<r>.out|.err`, the script's exit status as the process's."""
+    code = 1
+    try:
+        env, cwd, path, script, argv = pickle.loads(job)
+        for fd, name in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(outdir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.environ.clear()
+        os.environ.update(env)
+        if world_size > 1:  # what torchrun --standalone gives each worker
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                TORCHELASTIC_RUN_ID="none",
+            )
+        os.chdir(cwd)
+        pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # as a new interpreter reads it
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *pythonpath, *path]
+        sys.argv = [script, *argv]
+        import torch
+
+        if env.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter does: the traceback, exit 1
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _fork_server(conn) -> None:
-    """Import torch and the library once, then fork the ranks of each job from this state.
+    """Import torch, the library and the trainer once, then fork the ranks of each job from this state.
 
     Every rank is still a process of its own that no earlier job touched (a fork of an interpreter that has
     imported but never run anything), so a job's patches, seeds and caches die with it. The server answers
-    each job with its ranks' pids, then with their exit codes once all have ended."""
+    each job with its ranks' pids, then with ("exit", rank, code) as each ends, then with None."""
     import torch.distributed.fsdp  # noqa: F401 - the imports every rank would pay otherwise
+    from torch.utils.tensorboard import SummaryWriter  # noqa: F401
 
     import titan_dmuon.dmuon  # noqa: F401
+    import titan_dmuon.trainer  # noqa: F401
 
     conn.send_bytes(b"ready")
     while True:
         try:
-            world_size, port, outdir, job = pickle.loads(conn.recv_bytes())
+            kind, world_size, port, outdir, job = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
+        target = _rank_process if kind == "fn" else _script_process
         pids = []
         for rank in range(world_size):
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                _rank_process(rank, world_size, port, outdir, job)
+                target(rank, world_size, port, outdir, job)
             pids.append(pid)
         conn.send_bytes(pickle.dumps(pids))
-        codes = []
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            codes.append(os.waitstatus_to_exitcode(status))
-        conn.send_bytes(pickle.dumps(codes))
+        for _ in pids:
+            pid, status = os.wait()
+            conn.send_bytes(pickle.dumps(("exit", pids.index(pid), os.waitstatus_to_exitcode(status))))
+        conn.send_bytes(pickle.dumps(None))
 
 
 class _ForkServer:
@@ -244,6 +295,42 @@ def _reply(outdir: str, rank: int) -> tuple[str, Any] | None:
         return pickle.load(f)
 
 
+def _start(kind: str, world_size: int, outdir: str, job: bytes) -> list[int]:
+    """Send a job to the fork server (started if needed); the pids of its ranks."""
+    _SERVER.start()
+    _SERVER.conn.send_bytes(pickle.dumps((kind, world_size, free_port(), outdir, job)))
+    return pickle.loads(_SERVER.conn.recv_bytes())
+
+
+def _exits(pids: list[int], deadline: float, on_exit: Callable[[int, int], None]) -> list[int] | None:
+    """Each rank's exit code as the server reports it (`on_exit(rank, code)` as each comes), or None at the
+    deadline (the ranks are still running)."""
+    codes: list[int | None] = [None] * len(pids)
+    conn = _SERVER.conn
+    while True:
+        if not conn.poll(max(0.0, min(0.2, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                return None
+            on_exit(-1, 0)  # a tick: the caller may look at the ranks' files
+            continue
+        event = pickle.loads(conn.recv_bytes())
+        if event is None:
+            return codes
+        _, rank, code = event
+        codes[rank] = code
+        on_exit(rank, code)
+
+
+def _stop(pids: list[int]) -> None:
+    """Kill every rank still running and read the server's account of the job to its end (or drop the server)."""
+    _kill(pids)
+    conn = _SERVER.conn
+    while conn is not None and conn.poll(30):
+        if pickle.loads(conn.recv_bytes()) is None:
+            return
+    _SERVER.close()
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks (NCCL ones with
     TITAN_DMUON_TEST_BACKEND=nccl); return each rank's result, its tensors on CPU.
@@ -251,7 +338,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     Each rank is a fresh process (forked by `_ForkServer` from an interpreter that has imported torch and run
     nothing) with the caller's environment, working directory and sys.path. A run still going after
     ``timeout`` seconds (a hang: a collective one rank never joins) fails with the stack of every rank still
-    running, and no rank outlives the call."""
+    running, and no rank outlives the call. After a rank's error its peers get two seconds to report theirs (they
+    may wait for it in a collective forever)."""
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     if backend_name() == "nccl":
@@ -260,25 +348,32 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         gpus = torch.cuda.device_count()
         if world_size > gpus:
             raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs (one rank per GPU); {gpus} visible")
-    _SERVER.start()
-    conn = _SERVER.conn
     job = pickle.dumps((dict(os.environ), os.getcwd(), list(sys.path), fn, args))
     with tempfile.TemporaryDirectory() as outdir:
-        conn.send_bytes(pickle.dumps((world_size, free_port(), outdir, job)))
-        pids: list[int] = pickle.loads(conn.recv_bytes())
+        pids = _start("fn", world_size, outdir, job)
+        failed_at: list[float] = []
+
+        def watch(rank: int, code: int) -> None:
+            if not failed_at and any((_reply(outdir, r) or ("ok",))[0] == "error" for r in range(world_size)):
+                failed_at.append(time.monotonic())
+            if failed_at and time.monotonic() > failed_at[0] + 2.0:
+                _kill(pids)
+
         codes = None
         try:
-            codes, failed = _wait(conn, pids, outdir, timeout)
+            codes = _exits(pids, time.monotonic() + timeout, watch)
+            if codes is None:
+                waiting = {r: pid for r, pid in enumerate(pids) if _reply(outdir, r) is None}
+                stacks = _dump_stacks(waiting, outdir)
+                raise AssertionError(f"distributed run of {world_size} ranks timed out after {timeout:g} s\n{stacks}")
         finally:  # a failure, a hang or a test timeout: no rank is left behind
             if codes is None:
-                _kill(pids)
-                if not (conn.poll(30) and conn.recv_bytes()):  # the server's exit codes: it is ready again
-                    _SERVER.close()
+                _stop(pids)
         results, errors = [], []
         for rank in range(world_size):
             reply = _reply(outdir, rank)
             if reply is None:
-                if codes is not None and codes[rank] != 0:
+                if codes[rank] != 0:
                     errors.append(f"rank {rank}: exited with code {codes[rank]} before reporting")
                 results.append(None)
                 continue
@@ -286,26 +381,57 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             results.append(value)
-        if errors or failed:
+        if errors or any(codes):
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         return results
 
 
-def _wait(conn, pids: list[int], outdir: str, timeout: float) -> tuple[list[int] | None, bool]:
-    """Wait for the server's exit codes of `pids`: (codes, whether a rank failed). After a rank reported an
-    error its peers get two seconds to report theirs (they may wait for it in a collective forever), then go."""
-    deadline = time.monotonic() + timeout
-    failed = False
-    while not conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
-        now = time.monotonic()
-        if not failed and any((_reply(outdir, r) or ("ok",))[0] == "error" for r in range(len(pids))):
-            failed, deadline = True, min(deadline, now + 2.0)
-        if now >= deadline:
-            if failed:
+def run_script(
+    nproc: int, script: str, argv: list[str], *, cwd: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGV` (nproc 1) or `torchrun --standalone --nproc_per_node N SCRIPT ARGV`, as a finished
+    `subprocess.run(..., capture_output=True, text=True)` would return it, with the ranks forked by the fork
+    server (each a fresh process, started in milliseconds instead of seconds of imports).
+
+    As under torchrun: a rank that exits non-zero stops the others (SIGTERM, SIGKILL after 10 s) and the run's
+    status is 1 (one process: its own status); stdout and stderr are the ranks' in rank order. A run past
+    `timeout` is killed and raises subprocess.TimeoutExpired."""
+    env = dict(os.environ if env is None else env)
+    job = pickle.dumps((env, cwd, list(sys.path), script, list(argv)))
+    args = [sys.executable, script, *argv]
+    with tempfile.TemporaryDirectory() as outdir:
+        pids = _start("script", nproc, outdir, job)
+        ended: dict[int, int] = {}
+        failed_at: list[float] = []
+
+        def watch(rank: int, code: int) -> None:
+            if rank >= 0:
+                ended[rank] = code
+            if code != 0 and not failed_at:
+                failed_at.append(time.monotonic())
+                for r, pid in enumerate(pids):
+                    if r not in ended:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGTERM)
+            if failed_at and time.monotonic() > failed_at[0] + 10.0:
                 _kill(pids)
-                break
-            waiting = {r: pid for r, pid in enumerate(pids) if _reply(outdir, r) is None}
-            stacks = _dump_stacks(waiting, outdir)
-            raise AssertionError(f"distributed run of {len(pids)} ranks timed out after {timeout:g} s\n{stacks}")
-    codes = pickle.loads(conn.recv_bytes())
-    return codes, failed or any(codes)
+
+        codes = None
+        try:
+            codes = _exits(pids, time.monotonic() + timeout, watch)
+        finally:
+            if codes is None:
+                _stop(pids)
+
+        def read(name: str) -> str:
+            parts = []
+            for rank in range(nproc):
+                path = os.path.join(outdir, f"rank{rank}.{name}")
+                if os.path.exists(path):
+                    parts.append(open(path, errors="replace").read())
+            return "".join(parts)
+
+        if codes is None:
+            raise subprocess.TimeoutExpired(args, timeout, read("out"), read("err"))
+        status = codes[0] if nproc == 1 else int(any(codes))
+        return subprocess.CompletedProcess(args, status, read("out"), read("err"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,15 +47,13 @@ def train_argv(dump: str | Path, *extra: str) -> list[str]:
 
 
 def run_train(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python train.py` (1 process) or torchrun. A normal 8-rank run takes ~75 s here; the timeout only
-    bounds a hang."""
-    launcher = (
-        [sys.executable, "train.py"]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py"]
-    )
+    """`python train.py` (1 process) or torchrun's `--standalone --nproc_per_node` run of it, with torchrun's
+    environment for each rank, forked by the test harness's server (tests/_dist.py `run_script`) instead of
+    started cold (seconds of imports per rank). The timeout only bounds a hang."""
+    from tests._dist import run_script
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(launcher + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_script(nproc, "train.py", argv, cwd=str(REPO), env=env, timeout=timeout)
 
 
 def tail(proc: subprocess.CompletedProcess) -> str:

@@ -40,6 +40,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests._dist import run_script
 from tests.train_runs import DEBUG_CONFIG, REPO, read_checkpoint, read_scalars, tail, tiny_train_argv
 
 pytestmark = pytest.mark.slow
@@ -97,7 +98,7 @@ def _env() -> dict[str, str]:
 def launch(layout: str, dump: Path, *args: str, tb: str = "tb", timeout: float = 300) -> subprocess.CompletedProcess:
     nproc, layout_args = LAYOUTS[layout]
     argv = _argv(dump, *layout_args, "--metrics.save_tb_folder", tb, *args)
-    return subprocess.run(_command(nproc) + argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_script(nproc, "train.py", argv, cwd=str(REPO), env=_env(), timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -4,14 +4,13 @@ line) and the fix, no traceback, and before the model is built (so in seconds, n
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests._dist import run_script
 from titan_dmuon.data import ShardWriter, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,9 +75,7 @@ def test_bad_data_exits_2_before_the_model(tmp_path, name: str) -> None:
     argv = ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "out"), *args]
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "train.py", *argv], cwd=REPO, env=environ, capture_output=True, text=True, timeout=120
-    )
+    proc = run_script(1, "train.py", argv, cwd=str(REPO), env=environ, timeout=120)
     elapsed = time.perf_counter() - start
     tail = f"exit {proc.returncode} after {elapsed:.1f} s\n{proc.stderr[-4000:]}"
     assert proc.returncode == 2, tail
