@@ -17,6 +17,7 @@ holds them against the reference.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -149,8 +150,10 @@ class _RefOptimizer:
 Loop = Callable[[Side, int], list[float]]
 
 
+@functools.cache
 def reference(loop: Loop, n_dp: int, steps: int, prepare: Callable | None = None) -> dict:
-    """`loop` in one process on the reference optimizers; its losses and final weights."""
+    """`loop` in one process on the reference optimizers; its losses and final weights. Cached: the layouts with
+    the same number of DP ranks share one reference run (read it, never change it)."""
     torch.manual_seed(0)
     model = LoopLlama()
     if prepare is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from titan_dmuon.parallel import exit_status
+from titan_dmuon import exit_status
 from titan_dmuon.parallel.preemption import StopRequested, StopSignals, exit_code
 
 
