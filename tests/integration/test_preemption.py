@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._dist import run_script
 from tests.train_runs import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +52,16 @@ def _argv(dump: Path) -> list[str]:
 def _launch(argv: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
-        return subprocess.Popen(["./run_train.sh", *argv], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            ["./run_train.sh", *argv],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # As from a terminal: a shell that starts with SIGINT ignored (pytest itself run in the background,
+            # `cmd &`) cannot trap it, and Ctrl-C would not reach the ranks.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
 
 def _logged_steps(text: str) -> list[int]:
@@ -77,10 +87,20 @@ def _run(argv: list[str], log: Path, timeout: float = 300) -> int:
     return proc.wait(timeout=timeout)
 
 
+def _train(argv: list[str], log: Path) -> int:
+    """A run that no signal stops (the reference run, a resume): train.py on 2 ranks as torchrun starts them,
+    forked by the test harness (tests/_dist.py `run_script`); the launcher itself is what `_launch` tests."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["--config", "train_configs/debug_model.toml", *argv]  # what run_train.sh passes first
+    proc = run_script(2, "train.py", argv, cwd=str(REPO), env=env, timeout=300)
+    log.write_text(proc.stdout + proc.stderr)
+    return proc.returncode
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[int, float]:
     dump = tmp_path_factory.mktemp("straight")
-    assert _run(_argv(dump), dump.parent / "straight.log") == 0
+    assert _train(_argv(dump), dump.parent / "straight.log") == 0
     losses = _losses(dump)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
@@ -105,7 +125,7 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_resumes_bitwise(tmp_
     assert [p.name for p in (dump / "checkpoint").iterdir()] == [f"step-{step}"]
 
     resumed = tmp_path / "resumed.log"
-    assert _run(_argv(dump), resumed) == 0, resumed.read_text()[-4000:]
+    assert _train(_argv(dump), resumed) == 0, resumed.read_text()[-4000:]
     assert _logged_steps(resumed.read_text())[0] == step + 1, resumed.read_text()[-4000:]  # resumed, not restarted
     losses = _losses(dump)
     assert sorted(losses) == list(range(1, STEPS + 1))
