@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests._dist import run_distributed
 
 
@@ -26,6 +28,7 @@ def _build(rank: int, world: int, paths: list[str]) -> str:
     return f"ok: {tuple(next(iter(loader))[0].shape)}"
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_data_errors(tmp_path) -> None:
     from titan_dmuon.data import build_source
 

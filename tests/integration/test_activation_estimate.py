@@ -98,6 +98,7 @@ def _check(rows: list[tuple[str, dict, dict]]) -> None:
     assert not bad, f"estimate off by more than {TOLERANCE:.0%}: {bad}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavor", list(FLAVORS))
 def test_estimate_matches_what_autograd_keeps_on_one_rank(flavor):
     rows = []

@@ -254,6 +254,7 @@ def test_validate_parallelism():
     assert validate_parallelism(cfg, 8) == (2, 2, 2)
 
 
+@pytest.mark.slow  # the 70B config validates through the library (imports) and its TP plan: ~25 s
 @pytest.mark.parametrize("path", sorted((REPO / "train_configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = parse_args(["--config", str(path)])

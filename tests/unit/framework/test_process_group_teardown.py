@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.train_runs import REPO
 
 _SCRIPT = textwrap.dedent(
@@ -62,6 +64,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_destroy_process_groups_leaves_no_gloo_thread() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=120, env=None
