@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.ns_reference import MUON_ABC, POLAR_EXPRESS
 from titan_dmuon.dmuon.newton_schulz import (
     MUON_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -16,20 +17,7 @@ from titan_dmuon.dmuon.newton_schulz import (
     zeropower_via_newtonschulz,
 )
 
-MUON = (3.4445, -4.775, 2.0315)
-
-# Polar Express (Amsel et al. 2025), degree-5 table as published; all but the last get the 1.01 safety factor.
-PE_RAW = [
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-]
-PE = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in PE_RAW[:-1]] + [PE_RAW[-1]]
+MUON, PE = MUON_ABC, POLAR_EXPRESS  # the independent reference's published tables (tests/ns_reference.py)
 
 
 def torch_muon_ns_reference(grad, ns_coefficients, ns_steps, eps, dtype=torch.float64):
