@@ -4,6 +4,7 @@ torchdata ``StatefulDataLoader`` (optionally with worker processes) and batched 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import warnings
 from collections.abc import Iterator
@@ -22,6 +23,18 @@ logger = logging.getLogger(__name__)
 
 DATASETS = (*RAW_DATASETS, "tokens")
 VAL_FRACTION = 0.02
+
+
+def _worker_context() -> multiprocessing.context.BaseContext | None:
+    """Workers start from a forkserver, not by forking the trainer: the trainer has threads by the time a loader
+    starts (gloo/NCCL, an async checkpoint save, torch.compile's pools; a validation loader restarts its workers
+    at every evaluation), and a fork copies whatever lock those threads held, so a forked worker can hang or
+    crash. The server imports the data package once, so each worker still starts in milliseconds."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None  # Windows: the default (spawn) is already clean
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["titan_dmuon.data"])
+    return ctx
 
 
 def build_source(
@@ -206,6 +219,7 @@ def build_dataloader(
             batch_size=None,  # an item is a step's rows (a worker's share of them)
             collate_fn=_as_is,
             num_workers=num_workers,
+            multiprocessing_context=_worker_context() if num_workers else None,
             prefetch_factor=2 if num_workers else None,  # two steps in flight per worker
             # each iterator draws its base seed from this generator, not from torch's global one: a resumed run
             # restores the global generator before its first batch, which must not draw from it again
