@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_dmuon.components.initialization import ParamInit, constant, init_params, normal, trunc_normal
+from titan_dmuon.components.kv_cache import KVCache, LayerCache
 
 
 @dataclass
@@ -70,11 +71,16 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tens
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (Meta's interleaved layout) of ``x [B, L, H, D]`` by the table ``rope``."""
+    """Rotate consecutive pairs (Meta's interleaved layout) of ``x [B, L, H, D]`` by the table ``rope``: positions
+    ``0..L-1`` of the table ``[max_seq_len, D // 2, 2]``, or each row's own positions ``[B, L, D // 2, 2]`` (a
+    KV-cached decode step, left-padded prompts)."""
     b, seqlen, h, d = x.shape
     xr = x.float().reshape(b, seqlen, h, d // 2, 2)
-    cos = rope[:seqlen, :, 0].view(1, seqlen, 1, d // 2)
-    sin = rope[:seqlen, :, 1].view(1, seqlen, 1, d // 2)
+    if rope.dim() == 4:
+        cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
+    else:
+        cos = rope[:seqlen, :, 0].view(1, seqlen, 1, d // 2)
+        sin = rope[:seqlen, :, 1].view(1, seqlen, 1, d // 2)
     x0, x1 = xr[..., 0], xr[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(3).type_as(x)
@@ -107,16 +113,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        mask = None
+        if cache is not None:  # generation: attend to every cached position the mask allows
+            k, v, mask = cache.update(k, v)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -146,8 +156,8 @@ class TransformerBlock(nn.Module):
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def param_inits(self) -> dict[str, ParamInit]:
@@ -179,13 +189,20 @@ class Transformer(nn.Module):
             "rope_cache", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens [B, L]`` (int64) -> logits ``[B, L, vocab_size]`` in the compute dtype."""
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}")
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``tokens [B, L]`` (int64) -> logits ``[B, L, vocab_size]`` in the compute dtype.
+
+        With a ``cache`` (generation), ``tokens`` continue the cached sequences: row ``b``'s positions start at
+        ``cache.length - cache.pad[b]`` (its prompt is left-padded by ``pad[b]`` slots that no query sees)."""
+        end = tokens.shape[1] if cache is None else cache.length + tokens.shape[1]
+        if end > self.args.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}")
+        rope = self.rope_cache if cache is None else self.rope_cache[cache.begin(tokens.shape[1])]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, rope, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         return self.output(self.norm(h))
 
     def param_inits(self) -> dict[str, ParamInit]:
