@@ -369,7 +369,15 @@ class ConfigManager:
         argv = list(sys.argv[1:] if argv is None else argv)
         self.config_path, rest = _split_config_flag(argv)
         base = load_toml(self.config_path) if self.config_path else JobConfig()
-        cfg = tyro.cli(JobConfig, default=base, args=_normalize_bools(rest), config=(tyro.conf.FlagConversionOff,))
+        # use_underscores: --help spells flags as the docs, the configs and the error messages do (--job.dry_run); tyro
+        # still accepts the hyphenated spelling
+        cfg = tyro.cli(
+            JobConfig,
+            default=base,
+            args=_normalize_bools(rest),
+            config=(tyro.conf.FlagConversionOff,),
+            use_underscores=True,
+        )
         self.config = validate_config(cfg)
         return self.config
 

@@ -233,9 +233,13 @@ def test_help_shows_field_docs(capsys):
         parse_args(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "--training.local-batch-size" in out or "--training.local_batch_size" in out
+    # one spelling everywhere: --help says what the docs, the configs and the error messages say
+    assert "--training.local_batch_size" in out and "--job.dry_run_world_size" in out
+    assert "--training.local-batch-size" not in out
     assert "Sequences per data-parallel rank" in out
     assert "--optimizer.muon.lr" in out and "Muon learning rate" in out
+    # and the hyphenated spelling still parses
+    assert parse_args(["--training.local-batch-size", "3"]).training.local_batch_size == 3
 
 
 def test_validate_parallelism():
