@@ -178,8 +178,9 @@ class Trainer:
         # 12. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them. The first
         #     step this run logs is step + 1: TensorBoard drops the events an earlier run left there or past it
         #     (killed after logging steps it never saved), so each step shows once, with this run's value.
+        resolved = dataclasses.replace(cfg, training=dataclasses.replace(t, seed=self.seed))  # W&B's run config
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, rank=self.rank, total_steps=t.steps, purge_step=self.step + 1
+            cfg.metrics, cfg.job.dump_folder, self.rank, t.steps, purge_step=self.step + 1, job_config=resolved
         )
         if self.rank == 0:
             self._save_config()

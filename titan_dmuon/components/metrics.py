@@ -3,21 +3,28 @@
 Scalar names are TensorBoard tags ("loss/train", "grad_norm", "lr/muon", "lr/adamw", "progress/tokens_seen",
 "progress/elapsed_s", "throughput/tokens_per_sec" (per rank), "throughput/tokens_per_sec_global", "mfu",
 "throughput/tflops", "memory/...", and the optimizer component's own, e.g. "dmuon/..." (max over ranks) and
-"dmuon_mean/..." (mean over ranks)); the console line picks the common ones it knows.
+"dmuon_mean/..." (mean over ranks)); the console line picks the common ones it knows. With
+`metrics.enable_wandb`, the same scalars go to Weights & Biases under the same names and steps (`wandb` is imported
+only then: it is an optional extra).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import importlib.util
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from titan_dmuon.config import ConfigError
 from titan_dmuon.config import Metrics as MetricsConfig
 
 logger = logging.getLogger(__name__)
@@ -136,8 +143,85 @@ def max_and_mean_over_ranks(
     return out_max, out_mean
 
 
+WANDB_RUN_ID_FILE = "wandb_run_id"  # under job.dump_folder: the W&B run a resumed run logs into
+_WANDB_MISSING = (
+    "metrics.enable_wandb needs the wandb package, which is not installed: pip install 'titan_dmuon[wandb]' "
+    "(or pip install wandb), or set metrics.enable_wandb = false"
+)
+
+
+def check_wandb_installed() -> None:
+    """ConfigError naming the fix unless the wandb package can be imported; imports nothing (every rank can call
+    it, so that all of them stop with the same message)."""
+    try:
+        found = importlib.util.find_spec("wandb") is not None
+    except ValueError:  # an entry without a spec in sys.modules
+        found = False
+    if not found:
+        raise ConfigError(_WANDB_MISSING)
+
+
+def import_wandb():
+    """The wandb module, or ConfigError naming the fix."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(_WANDB_MISSING) from None
+    return wandb
+
+
+def wandb_run_id(dump_folder: str, resumed: bool) -> str:
+    """The W&B run id for a run writing to `dump_folder`: $WANDB_RUN_ID when set; else, for a resumed run, the id
+    an earlier run of the folder saved in `<dump_folder>/wandb_run_id`; else a new one, saved there for the runs
+    that resume this one (a requeued job, a rerun after a stop). A run from scratch gets a new W&B run, as its
+    TensorBoard curves restart at step 1."""
+    if os.environ.get("WANDB_RUN_ID"):
+        return os.environ["WANDB_RUN_ID"]
+    path = os.path.join(dump_folder, WANDB_RUN_ID_FILE)
+    if resumed:
+        try:
+            with open(path) as f:
+                run_id = f.read().strip()
+            if run_id:
+                return run_id
+        except FileNotFoundError:  # its earlier runs did not log to W&B
+            pass
+    run_id = secrets.token_hex(4)  # 8 characters of [0-9a-f], valid in a W&B run id
+    os.makedirs(dump_folder, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def start_wandb_run(cfg: MetricsConfig, dump_folder: str, job_config: Any = None, purge_step: int | None = None):
+    """`wandb.init` for rank 0 (see `MetricsLogger`); ConfigError when wandb is missing or refuses to start (not
+    logged in, no network: WANDB_MODE=offline logs locally)."""
+    wandb = import_wandb()
+    run_id = wandb_run_id(dump_folder, resumed=purge_step is not None and purge_step > 1)
+    try:
+        run = wandb.init(
+            project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan_dmuon",
+            entity=cfg.wandb_entity or None,  # None: $WANDB_ENTITY, else the login's default
+            name=cfg.wandb_run_name or None,  # None: $WANDB_NAME, else W&B's
+            id=run_id,
+            resume="allow",  # this id's run goes on if it exists, else it starts
+            dir=os.environ.get("WANDB_DIR") or dump_folder,  # W&B adds its own "wandb" folder under it
+            config=dataclasses.asdict(job_config) if job_config is not None else None,
+        )
+    except wandb.errors.Error as e:
+        raise ConfigError(
+            f"metrics.enable_wandb: W&B could not start run {run_id!r}: {e} (log in with `wandb login` or set "
+            "WANDB_API_KEY; WANDB_MODE=offline logs locally for a later `wandb sync`)"
+        ) from None
+    logger.info("W&B run %s (project %s) in %s", run.id, run.project, os.path.dirname(run.dir))
+    return run
+
+
 class MetricsLogger:
-    """Console (logging) + TensorBoard on rank 0; on other ranks every call is a no-op.
+    """Console (logging) + TensorBoard on rank 0, and Weights & Biases with `cfg.enable_wandb`; on other ranks every
+    call is a no-op.
 
     ETA comes from the wall time between the first and the latest `log` call, so the first steps
     (compilation, warmup) do not skew it.
@@ -146,6 +230,15 @@ class MetricsLogger:
     or past it from an earlier run (one killed after logging steps it never saved, or resumed from an older
     checkpoint): the writer marks a restart there (SummaryWriter's `purge_step`), so TensorBoard drops them and
     every step shows once, with the value of the run that last computed it.
+
+    W&B (`cfg.enable_wandb`): every rank first checks that wandb is installed (ConfigError naming the fix: all ranks
+    stop alike); rank 0 starts a run whose config is `job_config` (the resolved JobConfig) as a nested dict, with its
+    files under `<dump_folder>/wandb` ($WANDB_DIR/wandb when set). A resumed run (`purge_step` > 1) goes on with the
+    W&B run id saved in `<dump_folder>/wandb_run_id` (`resume="allow"`); a run from scratch starts a new W&B run.
+    W&B cannot rewrite a step (online, a resumed run drops the steps up to the last one it has): the steps an earlier
+    run logged past the checkpoint it was resumed from keep that run's values there (TensorBoard shows the rerun's).
+    Text entries (`log_text`: the config) go to TensorBoard only: W&B has the config as the run's config. `close`
+    finishes the run.
     """
 
     def __init__(
@@ -156,12 +249,16 @@ class MetricsLogger:
         total_steps: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         purge_step: int | None = None,
+        job_config: Any = None,
     ) -> None:
         self.enabled = rank == 0
         self.total_steps = total_steps
         self._clock = clock
         self._first: tuple[int, float] | None = None
         self.writer = None
+        self.wandb_run = None
+        if cfg.enable_wandb:
+            check_wandb_installed()
         if self.enabled and cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -169,6 +266,12 @@ class MetricsLogger:
             os.makedirs(self.log_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
             logger.info("TensorBoard events in %s", self.log_dir)
+        if self.enabled and cfg.enable_wandb:
+            try:
+                self.wandb_run = start_wandb_run(cfg, dump_folder, job_config, purge_step)
+            except BaseException:  # e.g. the ConfigError of a W&B that cannot start: no writer left open
+                self.close()
+                raise
 
     def _eta_seconds(self, step: int) -> float | None:
         now = self._clock()
@@ -181,13 +284,15 @@ class MetricsLogger:
         return (now - first_time) / (step - first_step) * max(0, self.total_steps - step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        """Write every scalar as a TensorBoard tag at `step` and log one console line."""
+        """Write every scalar as a TensorBoard tag (and W&B key) at `step` and log one console line."""
         if not self.enabled:
             return
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, float(value), step)
             self.writer.flush()
+        if self.wandb_run is not None:  # the row is written when a later step comes or at close
+            self.wandb_run.log({tag: float(value) for tag, value in scalars.items()}, step=step)
         logger.info(self.format_line(step, scalars, self._eta_seconds(step), self.total_steps))
 
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
@@ -240,3 +345,6 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb_run is not None:
+            run, self.wandb_run = self.wandb_run, None
+            run.finish()

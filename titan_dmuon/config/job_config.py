@@ -404,6 +404,11 @@ class Checkpoint:
     """
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights of a model-only last checkpoint (last_save_model_only); full checkpoints stay float32."""
+    last_save_in_hf: bool = False
+    """After the last step's checkpoint is saved, rank 0 also writes it as a Hugging Face folder `step-<N>-hf` beside
+    it (safetensors in export_dtype, config.json, the run's tokenizer, generation_config.json): what
+    scripts/convert_checkpoint.py writes from `step-<N>`. Needs `enable` and a model family with an HF adapter.
+    """
     timeout_seconds: int = 1800
     """Timeout of every collective of a save or a load (instead of comm.train_timeout_seconds): a rank may wait this
     long for a peer still writing its files, or for rank 0 committing (fsync, rename, deleting old checkpoints).
@@ -425,6 +430,10 @@ class Checkpoint:
         require(
             bool(self.folder) and not os.path.isabs(self.folder) and ".." not in Path(self.folder).parts,
             f"checkpoint.folder must be a relative folder under job.dump_folder, got {self.folder!r}",
+        )
+        require(
+            self.enable or not self.last_save_in_hf,
+            "checkpoint.last_save_in_hf converts the last checkpoint: it needs checkpoint.enable = true",
         )
 
 
@@ -471,6 +480,15 @@ class Metrics:
     """Write TensorBoard events (rank 0)."""
     save_tb_folder: str = "tb"
     """TensorBoard folder, under job.dump_folder."""
+    enable_wandb: bool = False
+    """Also log the scalars to Weights & Biases (rank 0; files under job.dump_folder/wandb, or $WANDB_DIR/wandb).
+    Needs the wandb extra: pip install 'titan_dmuon[wandb]'. Offline: WANDB_MODE=offline, then `wandb sync`."""
+    wandb_project: str = ""
+    """W&B project ("" = $WANDB_PROJECT, else "titan_dmuon")."""
+    wandb_run_name: str = ""
+    """W&B run's display name ("" = $WANDB_NAME, else one W&B makes up)."""
+    wandb_entity: str = ""
+    """W&B entity, a user or team ("" = $WANDB_ENTITY, else the logged-in user's default entity)."""
 
     def validate(self) -> None:
         _at_least("metrics", 1, log_freq=self.log_freq)

@@ -109,8 +109,8 @@ def destroy_process_groups() -> int:
         for obj in gc.get_objects():
             try:
                 dropped += _drop_group_refs(obj)
-            except ReferenceError:  # a dead weakref.proxy (torch.compile keeps some): nothing to drop
-                continue
+            except Exception:  # an object whose attributes cannot be read: a dead weakref.proxy
+                continue  # (torch.compile keeps some), a pydantic mock validator (wandb) raising on __dict__
     gc.collect()
     return dropped
 

@@ -1,19 +1,23 @@
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_dmuon.components.metrics import (
+    WANDB_RUN_ID_FILE,
     MetricsLogger,
     device_memory_stats,
     get_peak_flops,
     max_and_mean_over_ranks,
     peak_flops_for_name,
     throughput_metrics,
+    wandb_run_id,
 )
-from titan_dmuon.config import Metrics
+from titan_dmuon.config import ConfigError, Metrics
 
 
 class FakeClock:
@@ -173,6 +177,50 @@ def test_a_resumed_logger_shows_each_step_once_with_the_last_runs_value(tmp_path
     events = _scalar_events(tmp_path / "tb")
     assert events["loss/train"] == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0), (5, 105.0)]
     assert [s for s, _ in events["progress/elapsed_s"]] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and the trainer: seconds
+def test_importing_the_metrics_module_and_the_trainer_imports_no_wandb():
+    code = "import sys, titan_dmuon.components.metrics, titan_dmuon.trainer; assert 'wandb' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_logger_without_wandb_never_imports_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it would fail
+    m = MetricsLogger(Metrics(), str(tmp_path), rank=0, purge_step=1)
+    m.log(1, {"loss/train": 1.0})
+    m.log_text("config", "    [job]\n")
+    m.close()
+    assert not (tmp_path / WANDB_RUN_ID_FILE).exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_enabling_wandb_without_the_package_is_a_config_error_naming_the_fix(tmp_path, monkeypatch, rank):
+    """Every rank checks (so that all stop alike), before writing anything."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ImportError
+    with pytest.raises(ConfigError, match=r"metrics.enable_wandb needs the wandb package") as e:
+        MetricsLogger(Metrics(enable_wandb=True), str(tmp_path / "dump"), rank=rank, purge_step=1)
+    assert "pip install 'titan_dmuon[wandb]'" in str(e.value) and "pip install wandb" in str(e.value)
+    assert not (tmp_path / "dump").exists()
+
+
+def test_wandb_run_id_goes_on_only_for_a_resumed_run(tmp_path, monkeypatch):
+    """A run from scratch saves a new id in the dump folder; a resumed run reuses it (a new one if there is none);
+    $WANDB_RUN_ID wins."""
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    dump = str(tmp_path / "dump")
+    first = wandb_run_id(dump, resumed=False)
+    assert (tmp_path / "dump" / WANDB_RUN_ID_FILE).read_text() == first + "\n"
+    assert len(first) == 8 and first.isalnum()
+    assert wandb_run_id(dump, resumed=True) == first
+    assert wandb_run_id(dump, resumed=True) == first
+    second = wandb_run_id(dump, resumed=False)  # trained from scratch again: a new W&B run
+    assert second != first and wandb_run_id(dump, resumed=True) == second
+    other = str(tmp_path / "other")
+    assert wandb_run_id(other, resumed=True) not in (first, second)  # resumed, but no run logged to W&B there
+    monkeypatch.setenv("WANDB_RUN_ID", "chosen")
+    assert wandb_run_id(dump, resumed=True) == wandb_run_id(dump, resumed=False) == "chosen"
+    assert (tmp_path / "dump" / WANDB_RUN_ID_FILE).read_text() == second + "\n"
 
 
 def test_over_ranks_without_a_process_group():
