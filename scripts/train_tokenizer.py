@@ -36,7 +36,7 @@ def train_tokenizer(
 ) -> str:
     """Train and write ``output`` (a ``tokenizer.json``; a directory gets one inside) and the
     ``tokenizer_config.json`` beside it. Returns the ``tokenizer.json`` path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,6 +50,13 @@ def train_tokenizer(
     )
     source = build_source(dataset, dataset_path, dataset_field, split="train")
     tok.train_from_iterator(iter_documents(source, max_docs=max_docs), trainer=trainer)
+    # Training sees every document as [BOS] text EOS (titan_dmuon/data/tokenizer.py adds them itself); the
+    # tokenizer's own template prepends BOS too, so that transformers' AutoTokenizer (on an export) encodes a
+    # prompt as the model saw text begin.
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     if os.path.isdir(output) or output.endswith(os.sep):
         output = os.path.join(output, "tokenizer.json")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

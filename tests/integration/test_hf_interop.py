@@ -193,6 +193,8 @@ def _save_dcp(model: torch.nn.Module, folder: Path) -> None:
 
 
 TINY_ARGS = ["--model.flavor", "tinymodel", "--training.seq_len", str(SEQ)]
+# The checkpoints these tests make have VOCAB ids, fewer than any tokenizer's: weights and config.json alone
+WEIGHTS_ONLY = [*TINY_ARGS, "--no-tokenizer"]
 
 
 def test_convert_checkpoint_dcp_to_hf_torch_and_back(tmp_path, capsys):
@@ -203,14 +205,14 @@ def test_convert_checkpoint_dcp_to_hf_torch_and_back(tmp_path, capsys):
     _save_dcp(model, step)
 
     # DCP -> HF: shards of at most 20 kB, read in groups of at most that
-    assert convert.main([str(step), str(tmp_path / "hf"), "--max-shard-size", "20kB", *TINY_ARGS]) == 0
+    assert convert.main([str(step), str(tmp_path / "hf"), "--max-shard-size", "20kB", *WEIGHTS_ONLY]) == 0
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["max_position_embeddings"] == SEQ
     _assert_logits_match(model, tmp_path / "hf")
 
     # bf16 export
-    assert convert.main([str(step), str(tmp_path / "hf16"), "--export-dtype", "bfloat16", *TINY_ARGS]) == 0
+    assert convert.main([str(step), str(tmp_path / "hf16"), "--export-dtype", "bfloat16", *WEIGHTS_ONLY]) == 0
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "hf16" / "model.safetensors"), framework="pt") as f:
@@ -265,14 +267,23 @@ def test_convert_checkpoint_reads_the_saved_config_and_reports_errors(tmp_path, 
     (tmp_path / "checkpoint" / "config.toml").write_text(
         f'[model]\nname = "llama3"\nflavor = "tinymodel"\n\n[training]\nseq_len = {SEQ}\n'
     )
-    assert convert.main([str(step), str(tmp_path / "hf")]) == 0
+    assert convert.main([str(step), str(tmp_path / "hf"), "--no-tokenizer"]) == 0
     _assert_logits_match(model, tmp_path / "hf")
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
     capsys.readouterr()
+
+    # the config's tokenizer (the byte one, by default) has more ids than this model: not the run's, refused
+    assert convert.main([str(step), str(tmp_path / "z")]) == 2
+    err = capsys.readouterr().err
+    assert "has 258 ids but the model" in err and "--no-tokenizer" in err and not (tmp_path / "z").exists(), err
+    assert convert.main([str(step), str(tmp_path / "z"), "--model.tokenizer", str(tmp_path / "nope.json")]) == 2
+    err = capsys.readouterr().err
+    assert "model.tokenizer" in err and "nope.json" in err and not (tmp_path / "z").exists(), err
 
     assert convert.main([str(tmp_path), str(tmp_path / "x")]) == 2
     assert "is not a DCP checkpoint folder (no .metadata)" in capsys.readouterr().err
     assert convert.main([str(step), str(tmp_path / "y"), "--model.flavor", "debugmodel"]) == 2
     err = capsys.readouterr().err
     assert f"{step} does not hold this model's weights" in err and "other shape" in err
-    assert convert.main([str(step), str(tmp_path / "hf")]) == 2
+    assert convert.main([str(step), str(tmp_path / "hf"), "--no-tokenizer"]) == 2
     assert "holds HF weights already" in capsys.readouterr().err

@@ -26,6 +26,11 @@ job's rank 0 deletes; keep_latest_k counts complete folders and prunes only afte
 An async save is committed by its own thread as soon as it finishes; training waits for that only before
 the next save starts and at close().
 
+`checkpoint.last_save_in_hf`: once the last step's checkpoint is committed, rank 0 converts it into the Hugging Face
+folder `step-<N>-hf` beside it (titan_dmuon/components/export.py, what scripts/convert_checkpoint.py runs: streamed,
+never the whole model in memory), written as `step-<N>-hf.tmp-<id>` and renamed when complete; the other ranks wait
+for the outcome (one gather), so that a failure is the same CheckpointError on every rank.
+
 Loading never unpickles code: `.metadata` is read by an unpickler that admits only DCP's metadata classes,
 and non-tensor items are read with torch.load(weights_only=True). A missing, partial or mismatched
 checkpoint raises CheckpointError (a ConfigError: train.py exits 2), naming the folder and the mismatch.
@@ -66,7 +71,7 @@ from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collecti
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TEMP_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
+_TEMP_DIR = re.compile(r"^step-\d+(-hf)?\.(tmp|deleting)-[0-9a-f]+$")
 _METADATA = ".metadata"
 _CONFIG = "config.toml"
 _MODEL_ONLY = "model_only"  # marks a last_save_model_only checkpoint: keep_latest_k neither counts nor deletes it
@@ -281,6 +286,8 @@ class CheckpointManager:
         self._shared_checked = False  # the first save checks that every rank sees the folder
         self.memory: list[dict[str, Any]] = []
         """Per save/load on this rank: RSS before, peak RSS after, this rank's state bytes (also logged)."""
+        if self.c.enable and self.c.last_save_in_hf:
+            self._check_hf_export()
 
     # -------------------------------------------------------------------------------------- collectives
     def _broadcast_object(self, obj: Any) -> Any:
@@ -339,6 +346,8 @@ class CheckpointManager:
         self._poll()
         if (step % self.c.interval == 0 or last) and step != self.loaded_step:
             self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only, elapsed_s=elapsed_s)
+            if last and self.c.last_save_in_hf:
+                self.save_hf(step)
 
     def save_for_stop(self, step: int, tokens_seen: int, elapsed_s: float = 0.0) -> bool:
         """A stop signal ended the run after `step`: make sure a full checkpoint of that step exists (save it unless
@@ -404,6 +413,62 @@ class CheckpointManager:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
             self._pending = self._commit_when_done(future, temp, final, step, t0)
             self._record("save (staged)", step, rss_before, peak_before, share, gather=False)
+
+    # ---------------------------------------------------------------------------------- Hugging Face export
+    def _check_hf_export(self) -> None:
+        """Before training: what last_save_in_hf needs at the end (the same answer on every rank)."""
+        spec = self.optim.spec
+        if spec.state_dict_adapter is None:
+            raise CheckpointError(
+                f"checkpoint.last_save_in_hf: the model family {spec.name!r} has no Hugging Face adapter "
+                "(ModelSpec.state_dict_adapter); turn last_save_in_hf off"
+            )
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            raise CheckpointError(
+                'checkpoint.last_save_in_hf needs the safetensors package: pip install -e ".[dev]" (or safetensors)'
+            ) from None
+
+    def hf_folder(self, step: int) -> Path:
+        """Where last_save_in_hf writes the Hugging Face form of checkpoint `step-<step>`."""
+        return self.folder / f"step-{step}-hf"
+
+    def save_hf(self, step: int) -> None:
+        """Rank 0 converts the committed checkpoint `step-<step>` into `hf_folder(step)` (the module docstring);
+        every rank returns once it is written, or raises the same CheckpointError when it could not be."""
+        with raised_collective_timeout(self.c.timeout_seconds):
+            self._finish_pending()  # an async save: committed (step-<N> renamed) before it is read
+            self._agree(self._export_hf(step) if self.rank == 0 else None)
+
+    def _export_hf(self, step: int) -> str | None:
+        """Rank 0: write hf_folder(step) from step-<step>; None, or the error message."""
+        from titan_dmuon.components.export import export_dcp_to_hf
+
+        src, dst = self.folder / f"step-{step}", self.hf_folder(step)
+        if dst.exists():
+            logger.warning("checkpoint: %s exists already; not overwriting it (last_save_in_hf skipped)", dst)
+            return None
+        temp = self.folder / f"{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
+        t0 = time.perf_counter()
+        try:
+            files = export_dcp_to_hf(src, temp, self._resolved_config(), dtype=dmuon.to_dtype(self.c.export_dtype))
+            os.rename(temp, dst)
+            _fsync(self.folder)
+        except Exception as e:  # any failure: every rank waits for this outcome, so it must be told, not raised here
+            shutil.rmtree(temp, ignore_errors=True)
+            cast = "" if self.c.export_dtype == "float32" else f" --export-dtype {self.c.export_dtype}"
+            return (
+                f"checkpoint.last_save_in_hf: writing {dst} from {src} failed ({type(e).__name__}: {e}); the "
+                f"checkpoint itself is saved: retry with python scripts/convert_checkpoint.py {src} {dst}{cast}"
+            )
+        logger.info(
+            "checkpoint: wrote the Hugging Face folder %s (%d safetensors file(s), the tokenizer) in %.2f s",
+            dst,
+            len(files),
+            time.perf_counter() - t0,
+        )
+        return None
 
     def _commit_when_done(self, future: Future, temp: Path, final: Path, step: int, t0: float) -> Future:
         """The async save's commit, run by the save's thread as soon as the save is done: rank 0's fsync, rename

@@ -7,7 +7,10 @@ on every rank, reading only that rank's share from the memory-mapped safetensors
 the conversion is a rename, the HF rows its rows come from where it moves rows (the RoPE q/k permutation: a
 contiguous range of our rows is at most two contiguous HF row ranges per head), and one full matrix only where
 the shard itself interleaves rows (FSDP2 over TP, _StridedShard).
-`scripts/convert_checkpoint.py` turns a DCP checkpoint into an HF folder with `export_hf`.
+`export_hf` writes the weights, config.json and, given the run's tokenizer, its Hugging Face files, the BOS/EOS/PAD ids
+in config.json and a generation_config.json: a folder that `transformers` loads and turns into text.
+titan_dmuon/components/export.py streams a DCP checkpoint into it (scripts/convert_checkpoint.py,
+`checkpoint.last_save_in_hf`).
 
 safetensors (and transformers, for the tests) are dev dependencies, imported only when these functions run.
 """
@@ -27,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size for save_pretrained
@@ -81,6 +85,25 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 # Export
 
 
+def new_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file: 0o666 less the process umask (read from /proc without
+    changing it where Linux has it: os.umask is process-wide and the trainer has threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def _shard_name(index: int, total: int) -> str:
     return SINGLE_FILE_NAME if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
@@ -92,17 +115,35 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: Any = None,
 ) -> list[Path]:
     """Write full tensors of ours (FQN -> tensor, a mapping or a stream of pairs) as an HF model folder:
     `model.safetensors`, or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` when they
     exceed `max_shard_bytes`, and `config.json`. `dtype` casts (None keeps each tensor's). A stream is written
-    as it comes, holding at most one shard in memory. Returns the safetensors files written."""
+    as it comes, holding at most one shard in memory. Returns the safetensors files written.
+
+    With `tokenizer` (the run's, titan_dmuon/data/tokenizer.py: anything with `save_hf(folder)`, `vocab_size`,
+    `bos_id`, `eos_id`, `pad_id`), its Hugging Face files go beside the weights, config.json gets
+    `bos_token_id`/`eos_token_id`/`pad_token_id`, and `generation_config.json` holds the same ids; a tokenizer
+    with more ids than the model's vocabulary is a ValueError (written before anything is). Every file gets the
+    mode a new file gets under the process umask (644 under 022)."""
     st = _safetensors()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     stale = sorted(p.name for p in folder.glob("*.safetensors")) + [INDEX_NAME] * (folder / INDEX_NAME).exists()
     if stale:
         raise FileExistsError(f"{folder} holds HF weights already ({', '.join(stale[:3])}): give an empty one")
+    special: dict[str, int | None] = {}
+    if tokenizer is not None:
+        vocab = adapter.hf_config().get("vocab_size")
+        if vocab is not None and tokenizer.vocab_size > vocab:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {vocab}: it is not the "
+                "tokenizer the model was trained with (model.tokenizer)"
+            )
+        special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+        tokenizer.save_hf(folder)
+    mode = new_file_mode()
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     written: list[tuple[Path, list[str]]] = []
     pending: dict[str, torch.Tensor] = {}
@@ -137,14 +178,17 @@ def export_hf(
     files, weight_map = [], {}
     for i, (tmp, names) in enumerate(written):
         path = folder / _shard_name(i, len(written))
+        os.chmod(tmp, mode)  # safetensors creates its files 0600
         os.replace(tmp, path)
         files.append(path)
         weight_map.update(dict.fromkeys(names, path.name))
     if len(files) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        _write_json(folder / INDEX_NAME, index)
     config = adapter.hf_config(out_dtype or torch.float32)
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    _write_json(folder / CONFIG_NAME, {**config, **special})
+    if special:
+        _write_json(folder / GENERATION_CONFIG_NAME, special)
     return files
 
 
@@ -299,4 +343,5 @@ __all__ = [
     "hf_weight_map",
     "is_hf_folder",
     "load_hf_weights",
+    "new_file_mode",
 ]
