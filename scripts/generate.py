@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from titan_dmuon.components.export import ExportError, job_config
     from titan_dmuon.components.generation import Sampling, generate
+    from titan_dmuon.components.model import get_model_spec
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.to(dtype)
+    get_model_spec(cfg.model.name).init_buffers(model, device)  # the RoPE table stays fp32, as in training
     out = generate(model, prompts, sampling, eos_id=getattr(tokenizer, "eos_id", None), device=device)
     if rank == 0:
         for prompt, tokens in zip(args.prompt, out.tokens, strict=True):
