@@ -58,19 +58,28 @@ def _rss_mib(field: str) -> float:
     return float("nan")
 
 
-def _startup_rank(rank: int, world: int, store: str, kw: dict, out) -> None:
+def startup_figures(rank: int, world: int, kw: dict) -> tuple[float, float, float]:
+    """In a process group of `world` ranks: this rank's seconds to its first batch and its growth of private and
+    of file-backed resident memory (MiB) over the imported baseline."""
     import torch.distributed as dist
 
     from titan_dmuon.data import ByteTokenizer, build_dataloader
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     dist.barrier()
     anon, file, start = _rss_mib("RssAnon"), _rss_mib("RssFile"), time.perf_counter()
     loader = build_dataloader(tokenizer=ByteTokenizer(), dp_rank=rank, dp_world_size=world, **kw)
     next(iter(loader))
     elapsed = time.perf_counter() - start
-    out.put((rank, elapsed, _rss_mib("RssAnon") - anon, _rss_mib("RssFile") - file))
+    figures = (elapsed, _rss_mib("RssAnon") - anon, _rss_mib("RssFile") - file)
     dist.barrier()
+    return figures
+
+
+def _startup_rank(rank: int, world: int, store: str, kw: dict, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    out.put((rank, *startup_figures(rank, world, kw)))
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from tests._dist import run_distributed
 from tests._scripts import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,13 +20,20 @@ def test_start_up_does_not_grow_with_the_corpus(tmp_path) -> None:
     bench, prepare_data = load_script("bench_data"), load_script("prepare_data")
     shape = {"local_batch_size": 8, "seq_len": 128, "seed": 0}
     measured = {}
+
+    def startup(**kw) -> tuple[float, float, float]:
+        """bench_data's measurement on 4 ranks forked by the harness (not 4 cold interpreters): the slowest
+        rank's seconds, the largest growths of private and file-backed memory."""
+        figures = run_distributed(bench.startup_figures, 4, {**shape, **kw}, timeout=300)
+        return tuple(max(f[i] for f in figures) for i in range(3))
+
     for docs in (1000, 1_000_000):
         raw, tokens = str(tmp_path / f"{docs}.jsonl"), str(tmp_path / f"{docs}_tokens")
         bench.write_corpus(raw, docs)
         manifest = prepare_data.prepare(dataset="jsonl", dataset_path=raw, output=tokens, workers=2, progress=False)
         assert manifest["documents"] == docs
-        measured["tokens", docs] = bench.measure_startup(4, dataset="tokens", dataset_path=tokens, **shape)
-        measured["jsonl", docs] = bench.measure_startup(4, dataset="jsonl", dataset_path=raw, **shape)
+        measured["tokens", docs] = startup(dataset="tokens", dataset_path=tokens)
+        measured["jsonl", docs] = startup(dataset="jsonl", dataset_path=raw)
     (small_s, small_mib, _), (large_s, large_mib, _) = measured["tokens", 1000], measured["tokens", 1_000_000]
     report = {k: (round(s, 3), round(m, 1)) for k, (s, m, _) in measured.items()}
     # Measured here: 0.02-0.03 s and +0.5 MiB of private memory per rank for both sizes.
