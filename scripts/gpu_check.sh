@@ -20,7 +20,8 @@
 #   (d) ns       scripts/bench_ns.py --check: the Triton kernels on the GPU against float64, get_ns_backend and
 #                what kernel="auto" picks, then NS time for Llama-3 8B/70B shapes (torch vs Triton, direct vs
 #                Gram, one by one vs batched, bf16)
-#   (e) train    train.py, debug model, 20 steps on the GPU: the last loss lines and tokens/s
+#   (e) train    train.py, debug model, 20 steps on the GPU: the last loss lines and tokens/s; then
+#                scripts/generate.py from its checkpoint (bf16, KV cache): the text and tokens/s
 # With no NVIDIA GPU and no GPU_CHECK_ALLOW_CPU=1 it prints "no NVIDIA GPU found" and exits 0.
 
 set -u -o pipefail
@@ -238,12 +239,15 @@ fi
 if [ "$MODE" = cuda ]; then TRAIN_STEPS=20; else TRAIN_STEPS=6; fi
 train_run() {
     "$PY" train.py --config train_configs/debug_model.toml --training.steps "$TRAIN_STEPS" \
-        --job.dump_folder "$WORK/train" 2>&1 | tee "$WORK/train.log"
+        --checkpoint.enable true --job.dump_folder "$WORK/train" 2>&1 | tee "$WORK/train.log"
     local rc=$?
     echo "---- train.py summary: the device and NS lines, the last steps"
     grep -iE "cuda|nccl|device|NS " "$WORK/train.log" | head -6
     grep -E "step" "$WORK/train.log" | tail -4
-    return "$rc"
+    [ "$rc" -eq 0 ] || return "$rc"
+    echo "---- generate.py from that checkpoint (bf16 on CUDA, KV cache, two prompts)"
+    "$PY" scripts/generate.py "$WORK/train/checkpoint" --prompt "def main(" --prompt "import os" \
+        --max-new-tokens 64
 }
 export PY WORK TRAIN_STEPS
 export -f train_run
