@@ -1,8 +1,8 @@
-"""The planner's activation estimate (titan_dmuon/models/llama3/memory.py) against the bytes a real forward leaves for
-its backward (tests/activation_memory.py: every storage an op made that is still alive, de-duplicated; the same
-count as `saved_tensors_hooks` where no AC hides the saved tensors), in bf16 as on a GPU, for one block and for
-the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with sequence parallelism, with and
-without loss parallelism. Each within 10%; `-s` prints the table.
+"""The planner's activation estimates (titan_dmuon/models/llama3/memory.py and qwen3/memory.py) against the bytes a
+real forward leaves for its backward (tests/activation_memory.py: every storage an op made that is still alive,
+de-duplicated; the same count as `saved_tensors_hooks` where no AC hides the saved tensors), in bf16 as on a GPU, for
+one block and for the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with sequence
+parallelism, with and without loss parallelism. Each within 10%; `-s` prints the table.
 
 The block's input and the head's are made inside the counted region from a leaf (as the previous layer's output
 is), so a block that keeps its input (every checkpointed one) is charged for it.
@@ -19,19 +19,32 @@ from tests._dist import run_distributed
 from tests.activation_memory import held_bytes, module_storages, saved_tensor_bytes
 
 TOLERANCE = 0.10
-# (flavor, ModelArgs overrides): multi-head attention, and grouped-query attention (kv heads repeated for SDPA)
-FLAVORS = {"tinymodel": ("tinymodel", {}), "debugmodel-gqa": ("debugmodel", {"n_kv_heads": 4})}
+# (family, flavor, ModelArgs overrides): multi-head attention, and grouped-query attention (kv heads repeated for
+# SDPA); Qwen3's tinymodel: GQA, q/k norms, attention twice as wide as dim
+FLAVORS = {
+    "tinymodel": ("llama3", "tinymodel", {}),
+    "debugmodel-gqa": ("llama3", "debugmodel", {"n_kv_heads": 4}),
+    "qwen3-tinymodel": ("qwen3", "tinymodel", {}),
+}
 VOCAB, B, T = 2048, 2, 64
 # (activation_checkpoint.mode, selective_ac_option): the block kinds every mode is made of
 AC = [("none", "2"), ("full", "2"), ("selective", "op")]
 
 
-def _model(name: str):
-    from titan_dmuon.models.llama3 import build_model
+def _spec(model):
+    """The ModelSpec of the family `model` belongs to (titan_dmuon.models.<family>.model)."""
+    from titan_dmuon.components.model import get_model_spec
 
-    flavor, overrides = FLAVORS[name]
+    return get_model_spec(type(model).__module__.split(".")[2])
+
+
+def _model(name: str):
+    from titan_dmuon.components.model import get_model_spec
+
+    family, flavor, overrides = FLAVORS[name]
     torch.manual_seed(0)
-    model = build_model(flavor, vocab_size=VOCAB, device="cpu", max_seq_len=T, **overrides).to(torch.bfloat16)
+    build = get_model_spec(family).build
+    model = build(flavor, vocab_size=VOCAB, device="cpu", max_seq_len=T, **overrides).to(torch.bfloat16)
     model.init_buffers("cpu")  # the RoPE table stays fp32, as under FSDP2's mixed precision
     return model
 
@@ -39,14 +52,12 @@ def _model(name: str):
 def _measure(model, mode: str, option: str, tp_mesh=None, loss_parallel: bool = True) -> dict[str, float]:
     """Bytes per token kept by block 0 (checkpointed as `mode`/`option` say) and by the head."""
     from titan_dmuon.components.model import cross_entropy_loss
-    from titan_dmuon.models.llama3 import blocks
     from titan_dmuon.parallel.parallelize import apply_ac
 
+    spec = _spec(model)
     if tp_mesh is not None:
-        from titan_dmuon.models.llama3 import apply_tp
-
-        apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
-    apply_ac(blocks(model)[:1], mode, option)
+        spec.apply_tp(model, tp_mesh, loss_parallel=loss_parallel)
+    apply_ac(spec.blocks(model)[:1], mode, option)
     tp = 1 if tp_mesh is None else tp_mesh.size()
     local_t = T // tp  # sequence parallelism: each TP rank holds a slice of the sequence between blocks
     gen = torch.Generator().manual_seed(1)
@@ -77,9 +88,7 @@ def _measure(model, mode: str, option: str, tp_mesh=None, loss_parallel: bool = 
 
 
 def _estimate(model, mode: str, option: str, tp: int, loss_parallel: bool = True) -> dict[str, float]:
-    from titan_dmuon.models.llama3.memory import activation_estimate
-
-    est = activation_estimate(
+    est = _spec(model).activation_estimate(
         model, batch=B, seq_len=T, dtype_bytes=2, tp=tp, ac_mode=mode, ac_option=option, loss_parallel=loss_parallel
     )
     kept = est.block if mode == "none" else est.checkpointed_block

@@ -326,7 +326,7 @@ def test_divergence_stops_every_rank_with_nonzero_exit(tmp_path) -> None:
         (["--training.stepz", "3"], ["training.stepz"]),
         (["--parallelism.tensor_parallel_degree", "2"], ["config error", "tensor_parallel_degree", "world size 1"]),
         (["--model.flavor", "hugemodel"], ["config error", "model.flavor", "hugemodel", "debugmodel, tinymodel"]),
-        (["--model.name", "unknown"], ["config error", "model.name", "'unknown'", "llama3, tiny_mlp"]),
+        (["--model.name", "unknown"], ["config error", "model.name", "'unknown'", "llama3, qwen3, tiny_mlp"]),
         (["--optimizer.name", "sgd"], ["config error", "optimizer.name", "adamw, dmuon, muon_naive"]),
         (["--optimizer.muon_params", "^nothing$"], ["config error", "optimizer.muon_params"]),
     ],

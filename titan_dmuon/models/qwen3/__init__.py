@@ -1,0 +1,128 @@
+"""Qwen3 (dense) model family: flavors (the published Qwen3 0.6B to 32B sizes and two CPU-sized ones), builder, TP
+plan, activation estimate, Hugging Face adapter, and its ModelSpec (registered as "qwen3" when this package is
+imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from titan_dmuon.components.model import ModelSpec, register_model_spec
+
+from .memory import activation_estimate
+from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
+from .state_dict_adapter import Qwen3StateDictAdapter
+from .tensor_parallel import apply_tp
+
+QWEN3_VOCAB_SIZE = 151936
+
+
+def _published(dim: int, n_layers: int, n_heads: int, ffn: int, tie: bool) -> ModelArgs:
+    """A published Qwen3 size: 8 kv heads of 128, RoPE theta 1e6, RMSNorm eps 1e-6, the Qwen vocabulary."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_dim=ffn,
+        vocab_size=QWEN3_VOCAB_SIZE,
+        rope_theta=1000000.0,
+        tie_embeddings=tie,
+    )
+
+
+qwen3_configs: dict[str, ModelArgs] = {
+    # Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size). head_dim 64 with
+    # 8 heads: the attention is 512 wide on a 256-wide residual stream, as Qwen3's is twice its dim.
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden_dim=768, tie_embeddings=True
+    ),
+    # For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads, 2 kv heads (TP 2 divides both),
+    # tied (`tie_embeddings=False` as an override gives the untied variant).
+    "tinymodel": ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=192, tie_embeddings=True
+    ),
+    # The published sizes (Qwen/Qwen3-<size> config.json): the three small ones tie their embeddings.
+    "0.6B": _published(dim=1024, n_layers=28, n_heads=16, ffn=3072, tie=True),
+    "1.7B": _published(dim=2048, n_layers=28, n_heads=16, ffn=6144, tie=True),
+    "4B": _published(dim=2560, n_layers=36, n_heads=32, ffn=9728, tie=True),
+    "8B": _published(dim=4096, n_layers=36, n_heads=32, ffn=12288, tie=False),
+    "14B": _published(dim=5120, n_layers=40, n_heads=40, ffn=17408, tie=False),
+    "32B": _published(dim=5120, n_layers=64, n_heads=64, ffn=25600, tie=False),
+}
+
+
+def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> ModelArgs:
+    """A fresh copy of a flavor's ModelArgs; ``vocab_size`` (if given) and ``overrides`` replace fields."""
+    if flavor not in qwen3_configs:
+        raise ValueError(f"unknown qwen3 flavor {flavor!r}; choose one of {sorted(qwen3_configs)}")
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    return dataclasses.replace(qwen3_configs[flavor], **overrides)
+
+
+def build_model(
+    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
+) -> Transformer:
+    """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (the trainer parallelizes it,
+    then each rank materializes and initializes its share); on a real device it is materialized with
+    ``to_empty`` and ``init_weights`` (the seed of ``torch.manual_seed``), the weights a run with that seed
+    starts from on any cluster shape.
+
+    ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``,
+    ``tie_embeddings=False``) replace ModelArgs fields.
+    """
+    args = get_model_args(flavor, vocab_size, **overrides)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks, `layers.N`, in forward order."""
+    return [(f"layers.{name}", block) for name, block in model.layers.items()]
+
+
+# Muon takes the blocks' projection matrices only: never the q/k norms (1D), the block norms, the embedding, the
+# output head, or the matrix they share when tied (whose FQN is tok_embeddings.weight).
+MUON_PARAMS = r"^layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))\.weight$"
+
+SPEC = register_model_spec(
+    ModelSpec(
+        name="qwen3",
+        flavors=qwen3_configs,
+        build=build_model,
+        nparams_and_flops=get_nparams_and_flops,
+        blocks=blocks,
+        muon_params=MUON_PARAMS,
+        param_inits=lambda model: model.param_inits(),
+        init_buffers=lambda model, device: model.init_buffers(device),
+        apply_tp=apply_tp,
+        activation_estimate=activation_estimate,
+        state_dict_adapter=Qwen3StateDictAdapter.from_model,
+    )
+)
+
+
+__all__ = [
+    "ModelArgs",
+    "Transformer",
+    "TransformerBlock",
+    "qwen3_configs",
+    "get_model_args",
+    "build_model",
+    "activation_estimate",
+    "apply_tp",
+    "get_nparams_and_flops",
+    "QWEN3_VOCAB_SIZE",
+    "Qwen3StateDictAdapter",
+    "MUON_PARAMS",
+    "SPEC",
+    "blocks",
+]

@@ -1,0 +1,121 @@
+"""Tensor-parallel plan for the Qwen3 model, by FQN. No DMuon or FSDP code here.
+
+It is Llama 3's plan (titan_dmuon/models/llama3/tensor_parallel.py) plus two things:
+
+  * q_norm / k_norm. They normalize each head over head_dim with a weight of head_dim entries, and after the
+    column-parallel wq / wk each rank holds its own heads: the norm is a replicated weight applied to the local
+    heads. Its grad differs per rank (each sees other heads), so it must be summed over the TP group: the plan
+    makes the weight a Replicate DTensor and the norm's input the local heads as a DTensor sharded on the heads
+    dim (`SequenceParallel(sequence_dim=2)`: [B, L, heads, head_dim] sharded on dim 2), so the weight's grad
+    comes out partial over TP and is reduced as any sequence-parallel norm's; the norm's output is handed back
+    as a plain local tensor. The same in both plans (with or without sequence parallelism between blocks: the
+    heads are local either way).
+  * Tied embeddings. The embedding (row-wise parallel) and the output (column-wise parallel) both shard their
+    [vocab, dim] weight on dim 0, the vocabulary: each TP rank holds the same vocab rows of both. Sharding makes
+    one DTensor per module, so the plan ties them again to the embedding's (one Parameter, Shard(0) over TP);
+    FSDP2 then shards that one Parameter's rows again over the data-parallel ranks (a _StridedShard over TP).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+logger = logging.getLogger(__name__)
+
+# q_norm / k_norm: a replicated weight on the local heads ([B, L, heads, head_dim], heads sharded over TP)
+_HEAD_NORM = SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> nn.Module:
+    """Shard ``model`` (a ``titan_dmuon.models.qwen3.Transformer``) over the 1D ``tp_mesh`` in place and return it.
+
+    Attention/FFN input projections are column-parallel and output projections row-parallel, so each rank holds
+    ``n_heads // tp`` query heads and ``n_kv_heads // tp`` kv heads (and their q/k norms act on those, see the
+    module docstring). With ``sequence_parallel`` the activations between blocks, the norms and the residual
+    stream are sharded along the sequence dim (``Shard(1)``), so the sequence length must divide by the TP
+    degree. With ``loss_parallel`` the output projection keeps its logits sharded over the vocabulary (a DTensor
+    ``Shard(-1)``); without it they come back as a plain, replicated tensor (generation uses
+    ``sequence_parallel=False, loss_parallel=False``). A tied embedding/output stays one Parameter.
+    """
+    output_layouts, use_local_output = (Shard(-1), False) if loss_parallel else (Replicate(), True)
+    tp = tp_mesh.size()
+    args = model.args
+    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"{name} ({heads}) must be divisible by the tensor-parallel degree ({tp})")
+
+    if sequence_parallel:
+        top_plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=output_layouts, use_local_output=use_local_output
+            ),
+        }
+        block_plan = {
+            "attention_norm": SequenceParallel(),
+            # (x, rope, kv cache): the cache is None in training
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.q_norm": _HEAD_NORM,
+            "attention.k_norm": _HEAD_NORM,
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+    else:
+        # Activations stay replicated between blocks; the block norms remain plain (replicated) parameters.
+        top_plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=output_layouts, use_local_output=use_local_output
+            ),
+        }
+        block_plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.q_norm": _HEAD_NORM,
+            "attention.k_norm": _HEAD_NORM,
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+
+    parallelize_module(model, tp_mesh, top_plan)
+    if args.tie_embeddings:
+        # Both modules sharded their [vocab, dim] weight the same way (Shard(0)): hold the embedding's in both.
+        emb, out = model.tok_embeddings.weight, model.output.weight
+        if emb.placements != out.placements or emb.shape != out.shape:
+            raise RuntimeError(f"tied weight sharded differently: {emb.placements} vs {out.placements}")
+        model.output.weight = emb
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    logger.info(
+        "Applied tensor parallel (degree %d, sequence_parallel=%s, loss_parallel=%s)",
+        tp,
+        sequence_parallel,
+        loss_parallel,
+    )
+    return model
