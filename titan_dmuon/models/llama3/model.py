@@ -157,7 +157,8 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache)
+        normed = self.attention_norm(x)
+        h = x + (self.attention(normed, rope) if cache is None else self.attention(normed, rope, cache))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def param_inits(self) -> dict[str, ParamInit]:
@@ -200,7 +201,8 @@ class Transformer(nn.Module):
         rope = self.rope_cache if cache is None else self.rope_cache[cache.begin(tokens.shape[1])]
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, rope, None if cache is None else cache.layer(i))
+            # training calls a block with (h, rope) only: its hooks (FSDP2's casts, AC, TP) see what they always did
+            h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(i))
         if cache is not None:
             cache.advance(tokens.shape[1])
         return self.output(self.norm(h))

@@ -51,10 +51,7 @@ def apply_tp(
         }
         block_plan = {
             "attention_norm": SequenceParallel(),
-            # (x, rope, kv cache): the cache is None in training
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
