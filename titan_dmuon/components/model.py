@@ -78,6 +78,10 @@ class ModelSpec:
     activation memory for a micro-batch: an object with `.total` (bytes at the peak of backward) and its terms as
     float fields (the dry-run planner prints them and checks that the plan fits the device); None = the planner
     says it has no estimate."""
+    head_blocks: Callable[[nn.Module], Mapping[str, tuple[int, int]]] | None = None
+    """`model` (built, on meta or not) -> FQN -> (dim, size): the attention heads of its projections, for per-head
+    Muon (`optimizer.muon.per_head`): `(0, head_dim)` for wq/wk/wv (row blocks), `(1, head_dim)` for wo (column
+    blocks, used with `per_head_wo`); None = the family has none (per_head is then a config error)."""
     state_dict_adapter: Callable[[nn.Module], Any] | None = None
     """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
     the HF config.json (titan_dmuon/components/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and

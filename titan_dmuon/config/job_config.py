@@ -144,6 +144,15 @@ class MuonConfig:
     """Who runs Newton-Schulz's symmetric products: "auto" (Triton on CUDA when it passes a one-time check, else
     torch; DMUON_NS_KERNEL overrides it), "triton" or "torch" (MuonOptions.kernel).
     """
+    per_head: bool = False
+    """Per-head Muon: orthogonalize wq/wk/wv one attention head at a time (the family's head blocks, ModelSpec.
+    head_blocks), each head's lr scaled by its own shape; a family without head blocks is a config error. Under TP
+    the heads stay on their TP rank: no TP gather/scatter for them (MuonOptions.per_head; docs/dmuon.md).
+    """
+    per_head_wo: bool = False
+    """With per_head, also orthogonalize the attention output projection wo per head (its input-dim column blocks)
+    (MuonOptions.per_head_wo).
+    """
 
     def to_options(self):
         """This table as the library's `dmuon.MuonOptions` (the one conversion: the component builds its optimizer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from .state import DMuonState, attach_state, find_state, state_of
 
 Predicate = Callable[[str, nn.Parameter], bool]
 Owner = int | tuple[int, int]
+HeadBlocks = Mapping[str, tuple[int, int]]
 
 
 def _check_mesh(mesh: DeviceMesh, what: str, expected_name: str | None) -> None:
@@ -89,6 +90,7 @@ def dedicate_params(
     param_dtype: torch.dtype | None = None,
     tp_buffer_reuse: bool | str = False,
     reduce_dtype: torch.dtype = torch.float32,
+    head_blocks: HeadBlocks | None = None,
 ) -> dict[nn.Parameter, Owner]:
     """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
 
@@ -99,6 +101,12 @@ def dedicate_params(
     `reduce_dtype` (default fp32) is the dtype the Muon grads are reduced in: each rank casts its packed grads
     to it before the reduce, and the owner's momentum takes the fp32 result (FSDP2's `MixedPrecisionPolicy`
     reduce_dtype for the other params); bf16 halves the reduce bytes and rounds the average.
+
+    `head_blocks` (per-head Muon, docs/dmuon.md "Per-head Muon") maps a dedicated matrix's FQN to `(dim, size)`:
+    its Newton-Schulz runs on blocks of `size` along `dim` (0: row blocks, as wq/wk/wv's heads; 1: column blocks,
+    as wo's input heads) once `dmuon.Muon(..., per_head=True)` uses them, and the LPT counts it as blocks ×
+    the NS cost of one block. `size` must divide the matrix's (full) `dim`; a FQN that is not a dedicated matrix
+    is a ValueError. Record only the blocks the optimizer will use (they set the partition's cost).
 
     On a model on the meta device it records the ownership and allocates nothing: then call
     `dmuon.init_dedicated_params(model, init_fn, device)` (after `fully_shard`) to allocate and fill each rank's
@@ -125,6 +133,7 @@ def dedicate_params(
         mode="fsdp",
         tp_buffer_reuse=tp_buffer_reuse,
         reduce_dtype=reduce_dtype,
+        head_blocks=head_blocks,
     )
 
 
@@ -140,7 +149,9 @@ def _dedicate(
     mode,
     tp_buffer_reuse=False,
     reduce_dtype=torch.float32,
+    head_blocks: HeadBlocks | None = None,
 ) -> dict[nn.Parameter, Owner]:
+    blocks = _check_head_blocks(head_blocks, selected)
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
     tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
@@ -158,9 +169,13 @@ def _dedicate(
             "apart: pass the shard (and replicate) slices of one named DeviceMesh (init_device_mesh(..., "
             f"mesh_dim_names=...)), whose other dims are the TP ones (coordinates by global rank: {state.coords})"
         )
+    state.head_blocks = blocks
     G, R = state.shard_size, state.replicate_size
     hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
-    items = [PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None) for n, p in selected]
+    items = [
+        PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None, head_blocks=blocks.get(n))
+        for n, p in selected
+    ]
     slots = compute_balanced_assignment(items, G * R)
     tp_owner = _assign_tp_owners(items, slots, layouts)
 
@@ -214,6 +229,34 @@ def _dedicate(
     return {dp.param: dp.owner_rank for dp in state.dparams}
 
 
+def _check_head_blocks(head_blocks: HeadBlocks | None, selected) -> dict[str, tuple[int, int]]:
+    """`head_blocks` checked against the selected matrices: each key a dedicated FQN, each value `(dim, size)` with
+    dim 0 or 1 and `size` dividing the matrix's (full) `dim`. Returns a plain dict of int pairs."""
+    if not head_blocks:
+        return {}
+    shapes = {name: tuple(p.shape) for name, p in selected}
+    out: dict[str, tuple[int, int]] = {}
+    for fqn, spec in head_blocks.items():
+        if fqn not in shapes:
+            raise ValueError(
+                f"head_blocks names '{fqn}', which is not a dedicated matrix (one the predicate selects, 2D, requiring "
+                "grad): give head blocks for dedicated matrices only"
+            )
+        try:
+            dim, size = spec
+        except (TypeError, ValueError):
+            raise ValueError(f"head_blocks['{fqn}'] must be a pair (dim, size), got {spec!r}") from None
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (0, 1):
+            raise ValueError(f"head_blocks['{fqn}'] = {spec!r}: dim must be 0 (row blocks) or 1 (column blocks)")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or shapes[fqn][dim] % size:
+            raise ValueError(
+                f"head_blocks['{fqn}'] = {spec!r}: the block size must be a positive integer dividing dim {dim} of the "
+                f"matrix, which has {shapes[fqn][dim]} entries (shape {shapes[fqn]})"
+            )
+        out[fqn] = (int(dim), int(size))
+    return out
+
+
 def _assign_tp_owners(
     items: list[PartitionItem], slots: dict[str, int], layouts: dict[str, _tp.TPLayout | None]
 ) -> dict[str, int]:
@@ -236,12 +279,14 @@ def dedicate_params_ddp(
     predicate: Predicate,
     *,
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    head_blocks: HeadBlocks | None = None,
 ) -> dict[nn.Parameter, int]:
     """DDP path (docs/dmuon.md, "DDP"): every rank keeps the live full param; each grad is averaged onto
     its owner, only the owner runs NS, and after the step the owner broadcasts the updated param.
 
     For the other params, either `replicate(model, mesh)` or torch's `DistributedDataParallel(model)`: the
-    dedicated params are marked for DDP to ignore. Returns each dedicated param's owner rank in `mesh`.
+    dedicated params are marked for DDP to ignore. `head_blocks` as in `dedicate_params` (per-head Muon).
+    Returns each dedicated param's owner rank in `mesh`.
     """
     return _dedicate_ddp(
         "dedicate_params_ddp",
@@ -251,6 +296,7 @@ def dedicate_params_ddp(
         allow_tp=False,
         hook_boundary_predicate=hook_boundary_predicate,
         tp_buffer_reuse=False,
+        head_blocks=head_blocks,
     )
 
 
@@ -261,10 +307,11 @@ def dedicate_params_ddp_tp(
     *,
     hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
     tp_buffer_reuse: bool | str = False,
+    head_blocks: HeadBlocks | None = None,
 ) -> dict[nn.Parameter, int]:
     """DDP + TP (docs/dmuon.md, "Tensor parallelism"): like `dedicate_params_ddp`, with TP-sharded matrices
     handled by the TP gather -> full-matrix NS on the TP owner -> scatter path. Call after
-    `parallelize_module`, with the DP slice."""
+    `parallelize_module`, with the DP slice. `head_blocks` as in `dedicate_params` (per-head Muon)."""
     return _dedicate_ddp(
         "dedicate_params_ddp_tp",
         model,
@@ -273,6 +320,7 @@ def dedicate_params_ddp_tp(
         allow_tp=True,
         hook_boundary_predicate=hook_boundary_predicate,
         tp_buffer_reuse=tp_buffer_reuse,
+        head_blocks=head_blocks,
     )
 
 
@@ -285,6 +333,7 @@ def _dedicate_ddp(
     allow_tp: bool,
     hook_boundary_predicate,
     tp_buffer_reuse,
+    head_blocks=None,
 ) -> dict[nn.Parameter, int]:
     """The DDP paths: DMuon's replicate axis is the whole DP mesh (no shard axis); owners as mesh ranks."""
     if find_state(model) is not None:
@@ -310,6 +359,7 @@ def _dedicate_ddp(
         param_dtype=None,
         mode="ddp",
         tp_buffer_reuse=tp_buffer_reuse,
+        head_blocks=head_blocks,
     )
     _ddp.ignore_in_torch_ddp(model, [name for name, _ in selected])
     return {p: o[1] if isinstance(o, tuple) else o for p, o in owners.items()}

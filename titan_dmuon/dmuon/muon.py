@@ -22,7 +22,8 @@ from . import replicate_axis as _replicate
 from . import tp as _tp
 from .comm import Work
 from .newton_schulz import batch_plan, orthogonalize_stack, resolve_coefficients, zeropower_via_newtonschulz
-from .options import MuonOptions
+from .options import MuonOptions, OptionError
+from .partition import block_shape
 from .state import state_of, unwrap
 
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -71,7 +72,9 @@ class Muon(torch.optim.Optimizer):
             documentation): `lr` (1e-3), `momentum` (0.95), `nesterov` (True), `weight_decay` (0.1), `ns_steps`
             (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
             CUDA and native-bf16 CPUs, else fp32), `ns_formulation` ("direct"), `kernel` ("auto"),
-            `ns_max_batch_elements` (2**26). An invalid value raises `dmuon.OptionError` (a ValueError) naming it.
+            `ns_max_batch_elements` (2**26), `per_head` (False), `per_head_wo` (False). An invalid value raises
+            `dmuon.OptionError` (a ValueError) naming it; `per_head` without head blocks recorded by
+            `dedicate_params(..., head_blocks=...)` is one too.
     """
 
     def __init__(
@@ -101,6 +104,13 @@ class Muon(torch.optim.Optimizer):
         self._state = state
         self.replicate_async = replicate_async
         self.tp_distributed_gram = tp_distributed_gram
+        self._head_blocks = _active_head_blocks(state, self.options)
+        # the matrices whose NS needs no TP communication: whole ones, and TP shards that hold whole head blocks
+        self._local_ns = {
+            dp
+            for dp in state.dparams
+            if dp.tp_group is None or (dp in self._head_blocks and _tp.heads_are_local(dp, self._head_blocks[dp]))
+        }
         muon_defaults = self.options.group_defaults()
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
@@ -182,7 +192,7 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_step(group)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         opts_of = {p: g for g in muon_groups for p in g["params"]}
-        owned: list[tuple] = []  # (group index, dp, opts) of this rank's whole (non-TP) matrices
+        owned: list[tuple] = []  # (group index, dp, opts) of this rank's matrices that need no TP communication
         tp_jobs_of: list[list] = []  # per group: the TP gathers in flight
         for gi, pgroup in enumerate(st.groups):
             tp_jobs = []
@@ -190,11 +200,12 @@ class Muon(torch.optim.Optimizer):
                 if not dp.is_owner or dp._reduced_grad is None:
                     continue
                 opts = opts_of[dp.param]
-                if dp.tp_group is None:  # momentum + NS below, batched with the same-shape matrices of every group
+                if dp in self._local_ns:  # momentum + NS below, batched with the same-shape matrices of every group
                     owned.append((gi, dp, opts))
                     continue
                 update = self._momentum(dp, opts)
-                if self.tp_distributed_gram and _tp.gram_is_beneficial(dp):
+                blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
+                if self.tp_distributed_gram and blocks is None and _tp.gram_is_beneficial(dp):
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
                     _apply_update(dp, self._orthogonalize([update], opts, dp)[0], opts)
                     ns_time += time.perf_counter() - t0
@@ -219,9 +230,14 @@ class Muon(torch.optim.Optimizer):
         ns_calls, ns_time = ns_calls + calls, ns_time + secs
         for pgroup, tp_jobs, publish in zip(st.groups, tp_jobs_of, publishes, strict=True):
             # TP params wait for their scatter before the update, then publish: every rank of the owner's
-            # column (owner or peer) runs this tail at the same point (the group's next wait_publish).
+            # column (owner or peer) runs this tail at the same point (the group's next wait_publish). The TP
+            # shards updated locally (per-head, heads within the shard) were updated above and publish here too.
             tp_column = [dp for dp in pgroup.params if dp.tp_group is not None and dp.in_owner_column]
-            finish = functools.partial(_finish_tp, pgroup, tp_jobs, tp_column) if tp_jobs or tp_column else None
+            finish = (
+                functools.partial(_finish_tp, pgroup, tp_jobs, tp_column, self._head_blocks)
+                if tp_jobs or tp_column
+                else None
+            )
             pgroup.after_step(publish, finish)
         if not self.replicate_async:  # sync: consume every group's handoff before step() returns
             st.drain_publish()
@@ -239,29 +255,30 @@ class Muon(torch.optim.Optimizer):
         return momentum_update(dp._reduced_grad, self.state[dp.param], opts)
 
     def _update_owned(self, owned: list[tuple], done: Callable[[tuple], None]) -> tuple[int, float]:
-        """Momentum, NS and the update of this rank's whole matrices: same-shape ones with the same NS settings
-        in one batched call (memory-bounded chunks); `done(job)` after each update. Returns (NS calls, seconds)."""
-        plan = batch_plan(
+        """Momentum, NS and the update of this rank's matrices that need no TP communication (whole matrices, and
+        TP shards holding whole head blocks): same-shape matrices (or head blocks) with the same NS settings in one
+        batched call (memory-bounded chunks); `done(job)` after each update. Returns (NS calls, seconds): a
+        matrix counts once (a TP one on its TP owner, so that the sum over ranks is the number of matrices)."""
+        blocks = [self._head_blocks.get(dp) for _, dp, _ in owned]
+
+        def finish(i: int, ortho: torch.Tensor) -> None:
+            _, dp, opts = owned[i]
+            _apply_head_update(dp, ortho, opts, blocks[i])
+            done(owned[i])
+
+        secs = self._orthogonalize_blocks(
             [dp._reduced_grad.shape for _, dp, _ in owned],
-            [_ns_key(opts) for _, _, opts in owned],
-            self.ns_max_batch_elements,
+            blocks,
+            [opts for _, _, opts in owned],
+            lambda i: self._momentum(owned[i][1], owned[i][2]),
+            finish,
         )
-        calls, secs = 0, 0.0
-        for chunk in plan:
-            jobs = [owned[i] for i in chunk]
-            updates = [self._momentum(dp, opts) for _, dp, opts in jobs]
-            t0 = time.perf_counter()
-            orthos = self._orthogonalize(updates, jobs[0][2])
-            secs += time.perf_counter() - t0
-            calls += len(jobs)
-            for job, ortho in zip(jobs, orthos, strict=True):
-                _apply_update(job[1], ortho, job[2])
-                done(job)
-        return calls, secs
+        return sum(1 if dp.tp_group is None else int(dp.is_tp_owner) for _, dp, _ in owned), secs
 
     def _orthogonalize_tp(self, jobs: list[tuple]) -> tuple[int, float]:
-        """Wait for the TP gathers; the TP owner orthogonalizes its full matrices (same-shape ones batched) and
-        every rank scatters, in job order (the same on every rank of a TP group). Returns (NS calls, seconds)."""
+        """Wait for the TP gathers; the TP owner orthogonalizes its full matrices (same-shape ones batched; per head
+        block for a per-head matrix) and every rank scatters, in job order (the same on every rank of a TP group).
+        Returns (NS calls, seconds)."""
         fulls = [job.full_update() for job, _ in jobs]
         orthos: list[torch.Tensor | None] = [None] * len(jobs)
 
@@ -272,20 +289,65 @@ class Muon(torch.optim.Optimizer):
 
         scatter_order = _InOrder([int(f is not None) for f in fulls], scatter)
         mine = [i for i, f in enumerate(fulls) if f is not None]
-        plan = batch_plan(
-            [fulls[i].shape for i in mine], [_ns_key(jobs[i][1]) for i in mine], self.ns_max_batch_elements
+
+        def finish(k: int, ortho: torch.Tensor) -> None:
+            i = mine[k]
+            orthos[i], fulls[i] = ortho, None
+            scatter_order.done(i)
+
+        secs = self._orthogonalize_blocks(
+            [fulls[i].shape for i in mine],
+            [self._head_blocks.get(jobs[i][0].dp) for i in mine],
+            [jobs[i][1] for i in mine],
+            lambda k: fulls[mine[k]],
+            finish,
         )
-        calls, secs = 0, 0.0
+        return len(mine), secs
+
+    def _orthogonalize_blocks(
+        self,
+        shapes: Sequence[Sequence[int]],
+        blocks: Sequence[tuple[int, int] | None],
+        opts: Sequence[dict],
+        update_of: Callable[[int], torch.Tensor],
+        finish: Callable[[int, torch.Tensor], None],
+    ) -> float:
+        """NS of matrices 0..n-1 (their `shapes`, head `blocks` or None for the whole matrix, param-group `opts`):
+        the blocks of every matrix that have one shape up to transposition and the same NS settings go in one
+        batched call, in chunks of at most `ns_max_batch_elements` (`batch_plan`; a matrix without blocks is one
+        block, so that path is the plain per-matrix batching). `update_of(i)` gives matrix i's update when its
+        first block is due; `finish(i, ortho)` takes its orthogonalized update (the blocks reassembled) once its
+        last block is done. Returns the NS seconds."""
+        pieces = [(i, b) for i, (shape, hb) in enumerate(zip(shapes, blocks, strict=True)) for b in _blocks(shape, hb)]
+        plan = batch_plan(
+            [block_shape(shapes[i], blocks[i]) for i, _ in pieces],
+            [_ns_key(opts[i]) for i, _ in pieces],
+            self.ns_max_batch_elements,
+        )
+        left = collections.Counter(i for i, _ in pieces)
+        updates: dict[int, torch.Tensor] = {}
+        done: dict[int, list[torch.Tensor]] = {}
+        secs = 0.0
         for chunk in plan:
-            idx = [mine[k] for k in chunk]
+            mats = []
+            for k in chunk:
+                i, b = pieces[k]
+                if i not in updates:
+                    updates[i] = update_of(i)
+                hb = blocks[i]
+                mats.append(updates[i] if hb is None else updates[i].narrow(hb[0], b * hb[1], hb[1]))
             t0 = time.perf_counter()
-            results = self._orthogonalize([fulls[i] for i in idx], jobs[idx[0]][1])
+            orthos = self._orthogonalize(mats, opts[pieces[chunk[0]][0]])
             secs += time.perf_counter() - t0
-            calls += len(idx)
-            for i, ortho in zip(idx, results, strict=True):
-                orthos[i], fulls[i] = ortho, None
-                scatter_order.done(i)
-        return calls, secs
+            for k, ortho in zip(chunk, orthos, strict=True):
+                i = pieces[k][0]  # a matrix's blocks come in order: batch_plan keeps the order of its input
+                done.setdefault(i, []).append(ortho)
+                left[i] -= 1
+                if not left[i]:
+                    del updates[i]
+                    parts = done.pop(i)
+                    finish(i, parts[0] if len(parts) == 1 else torch.cat(parts, dim=blocks[i][0]))
+        return secs
 
     def _orthogonalize(self, updates: list[torch.Tensor], opts: dict, tp_gram_of=None) -> list[torch.Tensor]:
         """NS of same-shape full matrices (one batched call), or (TP distributed Gram) of this rank's block of
@@ -302,6 +364,28 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw_step(self, group: dict) -> None:
         adamw_step(group, self.state)
+
+
+def _blocks(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> range:
+    """The indices of a matrix's head blocks (one block, the whole matrix, without head blocks)."""
+    return range(1 if head_blocks is None else int(shape[head_blocks[0]]) // head_blocks[1])
+
+
+def _active_head_blocks(state, options: MuonOptions) -> dict:
+    """dp -> the (dim, size) head blocks its update is split into (per-head Muon; empty when `per_head` is off)."""
+    if options.per_head and not state.head_blocks:
+        raise OptionError(
+            "per_head",
+            "is set but no head blocks were recorded for this model: pass head_blocks={fqn: (dim, size)} to "
+            "dmuon.dedicate_params (e.g. (0, head_dim) for wq/wk/wv, (1, head_dim) for wo; docs/dmuon.md, "
+            '"Per-head Muon")',
+        )
+    out = {}
+    for dp in state.dparams:
+        blocks = options.active_blocks(state.head_blocks.get(dp.fqn))
+        if blocks is not None:
+            out[dp] = blocks
+    return out
 
 
 def _ns_key(opts: dict) -> tuple:
@@ -398,10 +482,23 @@ def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
     data.add_(ortho.contiguous().to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
 
 
-def _finish_tp(pgroup, tp_jobs, tp_column) -> Work:
-    """Wait for the TP scatters, apply the shards' updates, then publish them over the replicate axis."""
+def _apply_head_update(dp, ortho: torch.Tensor, opts: dict, head_blocks: tuple[int, int] | None) -> None:
+    """`_apply_update`, or for a matrix orthogonalized per head block (per-head Muon) the same step with the lr
+    scaled by one block's shape, as torch.optim.Muon scales a parameter of that shape."""
+    if head_blocks is None:
+        return _apply_update(dp, ortho, opts)
+    data = dp._owned_data
+    if opts["weight_decay"]:
+        data.mul_(1 - opts["lr"] * opts["weight_decay"])
+    lr = adjusted_lr(opts["lr"], opts["adjust_lr_fn"], block_shape(dp.full_shape, head_blocks))
+    data.add_(ortho.contiguous().to(data.dtype), alpha=-lr)
+
+
+def _finish_tp(pgroup, tp_jobs, tp_column, head_blocks) -> Work:
+    """Wait for the TP scatters, apply the shards' updates (per head block's lr for a per-head matrix), then publish
+    the column's TP shards over the replicate axis."""
     for job, opts in tp_jobs:
-        _apply_update(job.dp, job.wait(), opts)
+        _apply_head_update(job.dp, job.wait(), opts, head_blocks.get(job.dp))
     return _replicate.publish(pgroup, tp_column)
 
 

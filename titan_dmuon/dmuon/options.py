@@ -57,7 +57,8 @@ class MuonOptions:
     (OptionError, a ValueError naming the field); `replace(**changes)` gives a checked copy.
 
     The first eight fields (PER_GROUP) may also differ per param group (dmuon.Muon's `param_groups`, and an lr
-    scheduler changes `lr` there); the NS dtype, formulation, kernel and batch bound hold for the whole optimizer.
+    scheduler changes `lr` there); the NS dtype, formulation, kernel, batch bound and per-head switches hold for the
+    whole optimizer.
     """
 
     lr: float = 1e-3
@@ -96,6 +97,16 @@ class MuonOptions:
     ns_max_batch_elements: int = NS_MAX_BATCH_ELEMENTS
     """Bound on the elements of one batched Newton-Schulz call (an owner runs its same-shape matrices as one batch,
     in chunks of at most this many elements): lower it when NS's temporary memory is tight; 1 runs them one by one."""
+    per_head: bool = False
+    """Per-head Muon (docs/dmuon.md, "Per-head Muon"): split each matrix that has head blocks (`dedicate_params(...,
+    head_blocks={fqn: (dim, size)})`) into blocks of `size` along `dim` and orthogonalize each block on its own, its
+    lr scaled by the block's shape (`adjust_lr_fn`). Row blocks (dim 0: wq/wk/wv's output heads) only, unless
+    `per_head_wo`. Under TP a matrix whose blocks lie whole in its TP shards (blocked dim = TP shard dim, local
+    size a multiple of the block size) is orthogonalized on each TP rank with no TP gather or scatter; others
+    gather, run per-head NS on the full matrix and scatter. dmuon.Muon raises when no head blocks were recorded."""
+    per_head_wo: bool = False
+    """With `per_head`, also split the matrices whose head blocks are column blocks (dim 1: an attention output
+    projection wo, whose input dim holds the heads); False (the default) orthogonalizes those whole."""
 
     PER_GROUP: ClassVar[tuple[str, ...]] = (
         "lr",
@@ -145,6 +156,11 @@ class MuonOptions:
         m = self.ns_max_batch_elements
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise OptionError("ns_max_batch_elements", f"must be an integer >= 1, got {m!r}")
+        for name in ("per_head", "per_head_wo"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.per_head_wo and not self.per_head:
+            raise OptionError("per_head_wo", "needs per_head=True (it adds wo's column blocks to per-head Muon)")
 
     def replace(self, **changes: Any) -> MuonOptions:
         """A checked copy with `changes`; TypeError naming the valid fields for an unknown one."""
@@ -174,6 +190,13 @@ class MuonOptions:
     def check_group(self, group: Mapping[str, Any]) -> None:
         """OptionError when a param group's PER_GROUP values (an override) are invalid."""
         self.replace(**{k: v for k, v in group.items() if k in self.PER_GROUP})
+
+    def active_blocks(self, blocks: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The head blocks `(dim, size)` the update splits a matrix into, given the ones recorded for it: `blocks`
+        with `per_head` on (column blocks, dim 1, only with `per_head_wo`), else None (the whole matrix)."""
+        if blocks is None or not self.per_head or (blocks[0] == 1 and not self.per_head_wo):
+            return None
+        return blocks
 
     def ns_kwargs(self, group: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
         """`zeropower_via_newtonschulz`'s keyword arguments for a matrix of `group` (its ns_steps, coefficients and

@@ -22,12 +22,30 @@ class PartitionItem:
     shape: tuple[int, ...]
     layer: str  # params of the same layer are spread over owners; small ones are merged per layer
     mergeable: bool = True  # TP-sharded params are never merged (each has its own gather/scatter)
+    head_blocks: tuple[int, int] | None = None  # per-head Muon: (dim, size), NS on each block of `size` along `dim`
 
 
 def ns_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
     """NS work of an s×l matrix (s the short side): ns_steps·s²·(2l+s)."""
     s, long = sorted(int(d) for d in shape[:2])
     return float(ns_steps) * s * s * (2 * long + s)
+
+
+def block_shape(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> tuple[int, int]:
+    """The shape of one head block of a matrix of `shape` split into blocks of `size` along `dim` (the matrix's own
+    shape without blocks)."""
+    out = [int(shape[0]), int(shape[1])]
+    if head_blocks is not None:
+        out[head_blocks[0]] = int(head_blocks[1])
+    return out[0], out[1]
+
+
+def item_cost(item: PartitionItem, ns_steps: int = 5) -> float:
+    """NS work of one item: `ns_cost` of its shape, or, with head blocks, blocks × `ns_cost` of a block."""
+    if item.head_blocks is None:
+        return ns_cost(item.shape, ns_steps)
+    dim, size = item.head_blocks
+    return int(item.shape[dim]) // int(size) * ns_cost(block_shape(item.shape, item.head_blocks), ns_steps)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -46,7 +64,8 @@ def compute_balanced_assignment(
 ) -> dict[str, int]:
     """Assign every item to a slot in [0, num_slots), balancing NS cost; deterministic on every rank.
 
-    Units: each large matrix is its own unit; the small matrices of one layer form one merged unit.
+    Units: each large matrix is its own unit; the small matrices of one layer form one merged unit. A unit costs
+    `item_cost` (a matrix with head blocks: blocks × the NS cost of one block).
     Units go, largest cost first (ties by name), to the least-loaded slot that holds no unit of the same
     layer yet; only when every slot already has that layer does the least-loaded slot overall take it.
     Ties between slots go to the lowest slot index.
@@ -64,10 +83,10 @@ def compute_balanced_assignment(
         if it.mergeable and _numel(it.shape) < threshold:
             merged.setdefault(it.layer, []).append(it)
         else:
-            units.append((ns_cost(it.shape, ns_steps), it.name, it.layer, [it.name]))
+            units.append((item_cost(it, ns_steps), it.name, it.layer, [it.name]))
     for layer, members in merged.items():
         members = sorted(members, key=lambda m: m.name)
-        cost = sum(ns_cost(m.shape, ns_steps) for m in members)
+        cost = sum(item_cost(m, ns_steps) for m in members)
         units.append((cost, members[0].name, layer, [m.name for m in members]))
     units.sort(key=lambda u: (-u[0], u[1]))
 
@@ -110,5 +129,5 @@ def slot_loads(
     """NS cost per slot under an assignment (for balance reports and tests)."""
     loads = [0.0] * num_slots
     for it in items:
-        loads[assignment[it.name]] += ns_cost(it.shape, ns_steps)
+        loads[assignment[it.name]] += item_cost(it, ns_steps)
     return loads

@@ -93,6 +93,8 @@ class DMuonState:
         self.groups: list[DedicatedParamGroup] = []
         self.dparams: list[DedicatedParam] = []
         self.by_param: dict[nn.Parameter, DedicatedParam] = {}
+        # per-head Muon: fqn -> (dim, size) head blocks recorded by dedicate_params (docs/dmuon.md, "Per-head Muon")
+        self.head_blocks: dict[str, tuple[int, int]] = {}
         self.ledger = CommLedger()
         self.streams = Streams()  # the CUDA ones once the groups are on a GPU (comm.streams_for)
         self.publish_wait = WaitMeter()  # how long each forward waited for the post-step publish

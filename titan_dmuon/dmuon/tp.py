@@ -153,6 +153,16 @@ def gram_is_beneficial(dp) -> bool:
     return long_dim is not None and dp.shard_dim == long_dim
 
 
+def heads_are_local(dp, head_blocks: tuple[int, int]) -> bool:
+    """Per-head Muon: whether every head block of a TP-sharded matrix lies whole in one TP shard, so each TP rank
+    can orthogonalize its own shard's blocks with no gather or scatter. True when the blocked dim is the TP shard
+    dim and the local (shard) size along it is a multiple of the block size (wq/wk/wv column-parallel by whole
+    heads on dim 0, wo row-parallel by whole heads on dim 1); otherwise a head straddles two TP ranks and the
+    matrix takes gather -> per-head NS on the full matrix -> scatter (docs/dmuon.md, "Per-head Muon")."""
+    dim, size = head_blocks
+    return dp.tp_group is not None and dim == dp.shard_dim and int(dp._orig_size[dim]) % size == 0
+
+
 def all_reduce_gram(dp, ledger: CommLedger, gram: torch.Tensor) -> torch.Tensor:
     """Sum the TP blocks' partial Gram matrices (one s×s all-reduce over the param's TP group)."""
     ledger.record("tp_gram", gram.numel(), dp.tp_group.size(), gram.element_size(), factor=2)

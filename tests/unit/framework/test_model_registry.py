@@ -26,7 +26,8 @@ def _muon_params(spec, model) -> list[str]:
 
 def test_unknown_family_and_flavor_list_what_exists() -> None:
     assert {"llama3", "tiny_mlp"} <= set(available_models())
-    with pytest.raises(ValueError, match=r"unknown model family 'gpt9'; registered families: .*llama3, qwen3, tiny_mlp"):
+    families = r"unknown model family 'gpt9'; registered families: .*llama3, qwen3, tiny_mlp"
+    with pytest.raises(ValueError, match=families):
         get_model_spec("gpt9")
     with pytest.raises(ValueError, match=r"unknown model family '\.\./x'"):  # never imported as a path
         get_model_spec("../x")

@@ -117,6 +117,31 @@ class OptimizerComponent:
             raise ConfigError(f"{source} selects no 2D parameter of {self.spec.name}/{self.cfg.model.flavor}")
         return selected
 
+    def head_blocks(self, model: nn.Module) -> dict[str, tuple[int, int]]:
+        """Per-head Muon (`optimizer.muon.per_head`): FQN -> (dim, size) head blocks of the Muon params, from the
+        family's `ModelSpec.head_blocks` (column blocks, dim 1, only with `per_head_wo`); {} with per_head off. A
+        ConfigError names the family when it declares no head blocks."""
+        m = self.cfg.optimizer.muon
+        if not m.per_head:
+            return {}
+        if self.spec.head_blocks is None:
+            raise ConfigError(
+                f"optimizer.muon.per_head needs the model family's head blocks, but {self.spec.name} declares none "
+                "(ModelSpec.head_blocks): turn per_head off or add head_blocks to its spec"
+            )
+        selected = {n for n, _ in self.select_muon_params(model)}
+        blocks = {
+            fqn: (int(dim), int(size))
+            for fqn, (dim, size) in self.spec.head_blocks(model).items()
+            if fqn in selected and (dim == 0 or m.per_head_wo)
+        }
+        if not blocks:
+            raise ConfigError(
+                f"optimizer.muon.per_head: none of the {self.spec.name} family's head-blocked matrices is a Muon param "
+                f"(muon_params {self.muon_params!r})"
+            )
+        return blocks
+
     # ------------------------------------------------------------------------------------------- step
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

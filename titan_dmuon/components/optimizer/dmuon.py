@@ -56,6 +56,7 @@ class DMuon(OptimizerComponent):
             hook_boundary_predicate=lambda m: id(m) in blocks or m is model,
             param_dtype=param_dtype,
             reduce_dtype=dmuon.to_dtype(t.mixed_precision_reduce),  # as FSDP2's reduce_dtype
+            head_blocks=self.head_blocks(model) or None,  # optimizer.muon.per_head: the family's head blocks
         )
         self.own_params = set(owners)
         return self.own_params

@@ -4,13 +4,15 @@ Every Muon matrix stays an FSDP2-sharded DTensor (TP-sharded too, with TP). At s
 all-gathers each Muon grad (`full_tensor()`, over every mesh dim), keeps a full-size momentum buffer, runs
 the same Newton-Schulz as every other rank, and applies its own shard of the update: N times the
 Newton-Schulz work of DMuon and an all-gather of every Muon grad. The update is dmuon.Muon's for the same
-options (the same Newton-Schulz and lr scaling functions), so the two train the same model.
+options (the same Newton-Schulz and lr scaling functions), so the two train the same model; with
+`per_head` it orthogonalizes each head block of the full matrix on its own and scales its lr by the block's
+shape, as dmuon.Muon does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +32,10 @@ class NaiveMuon(torch.optim.Optimizer):
     `ns_max_batch_elements` has no effect: each matrix runs alone) and the same `adamw_*` arguments. Param groups
     carry `kind` "muon" or "adamw" like dmuon.Muon's, so one lr scheduler scales both. `last_step_stats` holds
     this rank's Newton-Schulz calls and time and the bytes it received all-gathering the grads.
+
+    `head_blocks` maps a Muon param to its `(dim, size)` head blocks (what `dmuon.dedicate_params` takes by FQN):
+    with `per_head` each block of the full matrix is orthogonalized on its own (one NS call per block) and its
+    lr scaled by the block's shape (`per_head_wo` for the column blocks, dim 1), as dmuon.Muon does.
     """
 
     def __init__(
@@ -42,9 +48,19 @@ class NaiveMuon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        head_blocks: Mapping[nn.Parameter, tuple[int, int]] | None = None,
         **muon_options: Any,
     ):
         self.options = dmuon.MuonOptions.of(options, **muon_options)
+        if self.options.per_head and not head_blocks:
+            raise dmuon.OptionError("per_head", "is set but NaiveMuon got no head_blocks ({param: (dim, size)})")
+        self.head_blocks: dict[nn.Parameter, tuple[int, int]] = {}
+        for p, blocks in (head_blocks or {}).items():
+            dim, size = blocks
+            if dim not in (0, 1) or size < 1 or p.shape[dim] % size:
+                raise ValueError(f"head blocks {blocks!r} do not split a matrix of shape {tuple(p.shape)}")
+            if self.options.active_blocks(blocks) is not None:
+                self.head_blocks[p] = (dim, size)
         muon = dict(kind="muon", **self.options.group_defaults())
         adamw = dict(
             kind="adamw", lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
@@ -83,15 +99,23 @@ class NaiveMuon(torch.optim.Optimizer):
             grad = grad.full_tensor()  # the all-gather DMuon never does
             stats["bytes_all_gather"] += (grad.numel() - local_numel) * grad.element_size()
         update = dmuon.momentum_update(grad, self.state[p], opts)  # the same rule as dmuon.Muon's
+        kwargs = self.options.ns_kwargs(opts, update.device)
+        shape = list(p.shape)  # the shape the lr is scaled by: the matrix's, or one head block's
         t0 = time.perf_counter()
-        ortho = dmuon.zeropower_via_newtonschulz(update, **self.options.ns_kwargs(opts, update.device))
+        if p in self.head_blocks:  # per head: each block of the full matrix on its own
+            dim, size = self.head_blocks[p]
+            shape[dim] = size
+            blocks = update.split(size, dim=dim)
+            ortho = torch.cat([dmuon.zeropower_via_newtonschulz(b, **kwargs) for b in blocks], dim=dim)
+        else:
+            ortho = dmuon.zeropower_via_newtonschulz(update, **kwargs)
         stats["ns_time_s"] += time.perf_counter() - t0
         stats["ns_calls"] += 1
         local = p.to_local() if isinstance(p, DTensor) else p
         if isinstance(p, DTensor):  # this rank's piece, for any placement (no communication)
             ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
         local.mul_(1 - opts["lr"] * opts["weight_decay"])
-        local.add_(ortho.to(local.dtype), alpha=-dmuon.adjusted_lr(opts["lr"], opts["adjust_lr_fn"], p.shape))
+        local.add_(ortho.to(local.dtype), alpha=-dmuon.adjusted_lr(opts["lr"], opts["adjust_lr_fn"], shape))
 
     def _adamw_step(self, group: dict) -> None:
         dmuon.adamw_step(group, self.state)
@@ -106,13 +130,19 @@ class MuonNaive(OptimizerComponent):
 
     def prepare(self, model, dims, mesh) -> set[nn.Parameter]:
         self.select_muon_params(model)  # a ConfigError naming the regex when it selects nothing
+        self.head_blocks(model)  # a ConfigError when per_head is on and the family has no head blocks
         return super().prepare(model, dims, mesh)
 
     def build(self) -> torch.optim.Optimizer:
-        muon = {id(p) for _, p in self.select_muon_params(self.model)}  # FSDP2's params now: select again
+        selected = self.select_muon_params(self.model)  # FSDP2's params now: select again
+        muon = {id(p) for _, p in selected}
+        blocks = self.head_blocks(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = NaiveMuon(
-            [p for p in params if id(p) in muon], [p for p in params if id(p) not in muon], **muon_options(self.cfg)
+            [p for p in params if id(p) in muon],
+            [p for p in params if id(p) not in muon],
+            head_blocks={p: blocks[n] for n, p in selected if n in blocks},
+            **muon_options(self.cfg),
         )
         return self.optimizer
 

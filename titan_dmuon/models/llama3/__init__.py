@@ -109,6 +109,18 @@ def blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
     return [(f"layers.{name}", block) for name, block in model.layers.items()]
 
 
+def head_blocks(model: Transformer) -> dict[str, tuple[int, int]]:
+    """Per-head Muon's blocks: each attention head of every block, `(0, head_dim)` for the rows of wq/wk/wv (one
+    query or kv head each) and `(1, head_dim)` for the columns of wo (its input is the heads, concatenated)."""
+    hd = model.args.head_dim
+    out: dict[str, tuple[int, int]] = {}
+    for name, _ in blocks(model):
+        for proj in ("wq", "wk", "wv"):
+            out[f"{name}.attention.{proj}.weight"] = (0, hd)
+        out[f"{name}.attention.wo.weight"] = (1, hd)
+    return out
+
+
 # Muon takes the attention and feed-forward matrices of every block; embeddings, norms and the output use AdamW.
 MUON_PARAMS = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
 
@@ -124,6 +136,7 @@ SPEC = register_model_spec(
         init_buffers=lambda model, device: model.init_buffers(device),
         apply_tp=apply_tp,
         activation_estimate=activation_estimate,
+        head_blocks=head_blocks,
         state_dict_adapter=Llama3StateDictAdapter.from_model,
     )
 )
@@ -145,4 +158,5 @@ __all__ = [
     "MUON_PARAMS",
     "SPEC",
     "blocks",
+    "head_blocks",
 ]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from titan_dmuon.components.model import ModelSpec, register_model_spec
+from titan_dmuon.models.llama3 import head_blocks  # the same FQNs and `args.head_dim`: one rule for both
 
 from .memory import activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
@@ -105,6 +106,7 @@ SPEC = register_model_spec(
         init_buffers=lambda model, device: model.init_buffers(device),
         apply_tp=apply_tp,
         activation_estimate=activation_estimate,
+        head_blocks=head_blocks,
         state_dict_adapter=Qwen3StateDictAdapter.from_model,
     )
 )
