@@ -76,6 +76,20 @@ def test_dp2_tp2_matches_single_process(tmp_path, reference) -> None:
 
 
 @pytest.mark.slow
+def test_per_head_dp2_tp2_matches_its_single_process_run(tmp_path, reference) -> None:
+    """Per-head Muon (wq/wk/wv's heads and wo's column blocks) on dp2 x tp2, where every head lies in one TP shard
+    and is orthogonalized there, equals the same option's 1-process run (whose owner runs NS on every whole
+    matrix's blocks), and it is another run than the whole-matrix one."""
+    per_head = ["--optimizer.muon.per_head", "true", "--optimizer.muon.per_head_wo", "true"]
+    one = _train(1, tmp_path / "one", "--training.local_batch_size", "8", *per_head)
+    tp = _train(
+        4, tmp_path / "tp", "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", *per_head
+    )
+    assert_same_run(tp, one, rtol=5e-5)
+    assert abs(reference["loss/train"][STEPS] - one["loss/train"][STEPS]) > 1e-4  # the whole-matrix run
+
+
+@pytest.mark.slow
 def test_muon_naive_4_ranks_matches_dmuon(tmp_path, fsdp_4_ranks) -> None:
     s = _train(4, tmp_path, "--training.local_batch_size", "2", "--optimizer.name", "muon_naive")
     assert_same_run(s, fsdp_4_ranks, rtol=1e-5)
