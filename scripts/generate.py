@@ -6,7 +6,8 @@ newest complete step), or a Hugging Face folder (scripts/convert_checkpoint.py's
     torchrun --nproc_per_node 2 scripts/generate.py outputs/checkpoint --prompt "Hello"   # TP over 2 ranks
 
 The model configuration is the job's (the TOML saved with the checkpoint, else `--config`, else the defaults; any
-`--section.field value` of train.py overrides it); the tokenizer is the run's (`model.tokenizer`), or the HF
+`--section.field value` of train.py overrides it; an HF folder's family and flavor are the ones whose config.json
+has its model_type and shapes); the tokenizer is the run's (`model.tokenizer`), or the HF
 folder's own when it holds one, or `--tokenizer`. Under torchrun the model is tensor-parallel over all ranks
 (loaded straight into each rank's shard) and rank 0 prints. Errors print one line and exit 2.
 """
@@ -68,26 +69,37 @@ def load_tokenizer(kind: str, src: Path, cfg, override: str | None):
         raise GenerateError(f"tokenizer {spec!r}: {e}") from None
 
 
-def matching_flavor(spec, cfg, hf_config: dict, vocab_size: int) -> str:
-    """The flavor of `spec` whose Hugging Face config has the shapes of the folder's config.json."""
-    from titan_dmuon.components.model import build_meta_model
+def match_hf_config(cfg, hf_config: dict, vocab_size: int, name_given: bool) -> None:
+    """Set `cfg.model.name` and `cfg.model.flavor` to the family (unless `name_given`) and flavor whose Hugging Face
+    config has the folder's `model_type` and shapes."""
+    from titan_dmuon.components.model import available_models, build_meta_model, get_model_spec
+    from titan_dmuon.config import ConfigError
 
-    for flavor in spec.flavors:
-        cfg.model.flavor = flavor
-        ours = spec.state_dict_adapter(build_meta_model(spec, cfg, vocab_size)).hf_config()
-        if all(hf_config.get(k, ours.get(k)) == ours.get(k) for k in _SHAPE_KEYS):
-            return flavor
-    shapes = {k: hf_config.get(k) for k in _SHAPE_KEYS}
+    for name in [cfg.model.name] if name_given else available_models():
+        spec = get_model_spec(name)
+        if spec.state_dict_adapter is None:
+            continue
+        for flavor in spec.flavors:
+            cfg.model.name, cfg.model.flavor = name, flavor
+            try:
+                ours = spec.state_dict_adapter(build_meta_model(spec, cfg, vocab_size)).hf_config()
+            except ConfigError:
+                continue
+            keys = ("model_type", *_SHAPE_KEYS)
+            if all(hf_config.get(k, ours.get(k)) == ours.get(k) for k in keys):
+                return
+    shapes = {k: hf_config.get(k) for k in ("model_type", *_SHAPE_KEYS)}
+    families = cfg.model.name if name_given else ", ".join(available_models())
     raise GenerateError(
-        f"no {spec.name} flavor has the shapes of {hf_config.get('_name_or_path', 'config.json')} ({shapes}): give "
+        f"no flavor of {families} has the shapes of {hf_config.get('_name_or_path', 'config.json')} ({shapes}): give "
         "--model.name and --model.flavor"
     )
 
 
-def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device, tp_mesh, flavor_given: bool):
+def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device, tp_mesh, given: set[str]):
     """The model with the checkpoint's weights on `device` (each TP rank loads only its shard), ready for
-    `generate`: evaluation mode, its RoPE table covering `max_len` positions. An HF folder's flavor is the one
-    whose shapes its config.json has, unless `flavor_given`."""
+    `generate`: evaluation mode, its RoPE table covering `max_len` positions. An HF folder's family and flavor are
+    the ones whose HF config has its config.json's model_type and shapes, unless `given` ("name", "flavor")."""
     import torch.distributed.checkpoint as dcp
 
     from titan_dmuon.components.export import check_shapes, read_dcp_metadata
@@ -95,13 +107,13 @@ def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device,
     from titan_dmuon.components.model import build_meta_model, get_model_spec
     from titan_dmuon.config import ConfigError
 
-    spec = get_model_spec(cfg.model.name)
     cfg.training.seq_len = max(cfg.training.seq_len, max_len)
     if kind == "hf":
         hf_config = json.loads((src / "config.json").read_text())
         vocab_size = hf_config.get("vocab_size", vocab_size)
-        if not flavor_given:
-            cfg.model.flavor = matching_flavor(spec, cfg, hf_config, vocab_size)
+        if "flavor" not in given:
+            match_hf_config(cfg, hf_config, vocab_size, name_given="name" in given)
+    spec = get_model_spec(cfg.model.name)
     try:
         model = build_meta_model(spec, cfg, vocab_size)
     except ConfigError as e:
@@ -182,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             init_process_group(device, cfg.comm)
             tp_mesh = ParallelDims(1, 1, world, world).build_mesh(device.type)["tp"]
         max_len = max(len(p) for p in prompts) + sampling.max_new_tokens
-        flavor_given = args.config is not None or any(a.startswith("--model.flavor") for a in overrides)
-        model = load_model(kind, src, cfg, tokenizer.vocab_size, max_len, device, tp_mesh, flavor_given)
+        given = {k for k in ("name", "flavor") if any(a.startswith(f"--model.{k}") for a in overrides)}
+        given |= {"name", "flavor"} if args.config is not None else set()
+        model = load_model(kind, src, cfg, tokenizer.vocab_size, max_len, device, tp_mesh, given)
     except (GenerateError, ExportError, ValueError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 2

@@ -208,7 +208,8 @@ def test_kv_cached_generation_equals_uncached_and_transformers(tmp_path):
 
 
 def test_generate_py_on_a_qwen3_export(tmp_path):
-    """scripts/generate.py finds the flavor of an HF Qwen3 folder by its shapes and generates what the model
+    """scripts/generate.py finds the family and flavor of an HF Qwen3 folder by its model_type and shapes (no
+    --model.name: the default is llama3) and generates what the model
     does (the byte tokenizer's ids, written beside the weights)."""
     from titan_dmuon.data import build_tokenizer
 
@@ -216,7 +217,7 @@ def test_generate_py_on_a_qwen3_export(tmp_path):
     model = _tiny(tie=True, vocab=tokenizer.vocab_size)
     export_hf(model.state_dict(), tmp_path, SPEC.state_dict_adapter(model), tokenizer=tokenizer)
     text = io.StringIO()
-    argv = [str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "6", "--ids", "--model.name", "qwen3"]
+    argv = [str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "6", "--ids"]  # family from model_type
     with contextlib.redirect_stdout(text):
         assert load_script("generate").main(argv) == 0
     ids = [[int(t) for t in line.split()[1:]] for line in text.getvalue().splitlines() if line.startswith("ids:")]
