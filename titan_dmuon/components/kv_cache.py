@@ -63,3 +63,17 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.length += n
+
+
+def run_blocks(blocks, h: torch.Tensor, rope: torch.Tensor, n_tokens: int, cache: KVCache | None) -> torch.Tensor:
+    """A model's blocks over `h` (the embeddings of `n_tokens` new tokens): with RoPE table `rope` in training,
+    or, with a `cache`, at each row's own positions, each block with its layer's cache, then the cache advanced.
+
+    Training calls a block with (h, rope) only, so its hooks (FSDP2's casts, AC, TP) see what they always did."""
+    if cache is not None:
+        rope = rope[cache.begin(n_tokens)]
+    for i, block in enumerate(blocks):
+        h = block(h, rope) if cache is None else block(h, rope, cache.layer(i))
+    if cache is not None:
+        cache.advance(n_tokens)
+    return h

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.dmuon_harness import HP  # the parity tests' hyper-parameters
 from tests.ns_reference import MUON_ABC
 from tests.reference import assert_rel_close, fp32_torch_muon
 
@@ -102,15 +103,6 @@ class PerHeadReference:
 DIM, HD, HEADS, KV_HEADS, FF = 8, 4, 3, 2, 16
 ROWS = {"wq.weight": (0, HD), "wk.weight": (0, HD)}
 COLS = {"wo.weight": (1, HD)}
-HP = dict(
-    lr=0.02,
-    momentum=0.95,
-    weight_decay=0.1,
-    adamw_lr=1e-3,
-    adamw_betas=(0.9, 0.95),
-    adamw_eps=1e-8,
-    adamw_weight_decay=0.01,
-)
 
 
 class Heads(nn.Module):

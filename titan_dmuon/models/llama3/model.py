@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_dmuon.components.initialization import ParamInit, constant, init_params, normal, trunc_normal
-from titan_dmuon.components.kv_cache import KVCache, LayerCache
+from titan_dmuon.components.kv_cache import KVCache, LayerCache, run_blocks
 
 
 @dataclass
@@ -198,13 +198,7 @@ class Transformer(nn.Module):
         end = tokens.shape[1] if cache is None else cache.length + tokens.shape[1]
         if end > self.args.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}")
-        rope = self.rope_cache if cache is None else self.rope_cache[cache.begin(tokens.shape[1])]
-        h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers.values()):
-            # training calls a block with (h, rope) only: its hooks (FSDP2's casts, AC, TP) see what they always did
-            h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(i))
-        if cache is not None:
-            cache.advance(tokens.shape[1])
+        h = run_blocks(self.layers.values(), self.tok_embeddings(tokens), self.rope_cache, tokens.shape[1], cache)
         return self.output(self.norm(h))
 
     def param_inits(self) -> dict[str, ParamInit]:
