@@ -104,10 +104,15 @@ def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device,
 
     from titan_dmuon.components.export import check_shapes, read_dcp_metadata
     from titan_dmuon.components.hf import load_hf_weights
-    from titan_dmuon.components.model import build_meta_model, get_model_spec
+    from titan_dmuon.components.model import build_meta_model, get_model_spec, model_vocab_size
     from titan_dmuon.config import ConfigError
 
     cfg.training.seq_len = max(cfg.training.seq_len, max_len)
+    if kind != "hf":
+        try:  # the run's padded vocabulary (model.vocab_size in its saved config), if it had one
+            vocab_size = model_vocab_size(cfg, vocab_size)
+        except ConfigError as e:
+            raise GenerateError(str(e)) from None
     if kind == "hf":
         hf_config = json.loads((src / "config.json").read_text())
         vocab_size = hf_config.get("vocab_size", vocab_size)

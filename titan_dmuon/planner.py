@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from titan_dmuon import dmuon
-from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec
+from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec, model_vocab_size
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
@@ -271,8 +271,12 @@ def _vocab_size(cfg: JobConfig, spec: ModelSpec) -> tuple[int | None, str]:
 
     try:
         tokenizer = build_tokenizer(cfg.model.tokenizer)
-        return tokenizer.vocab_size, f"tokenizer {cfg.model.tokenizer}"
+        vocab = model_vocab_size(cfg, tokenizer.vocab_size)
+        padded = f", padded to {vocab}" if vocab != tokenizer.vocab_size else ""
+        return vocab, f"tokenizer {cfg.model.tokenizer}{padded}"
     except DataError as e:
+        if cfg.model.vocab_size:
+            return cfg.model.vocab_size, "model.vocab_size"
         own = getattr(spec.flavors[cfg.model.flavor], "vocab_size", -1)
         if own and own > 0:
             return None, f"the flavor's {own} (tokenizer {cfg.model.tokenizer!r} not loadable here)"

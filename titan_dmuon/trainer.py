@@ -34,7 +34,7 @@ from titan_dmuon.components.initialization import materialize
 from titan_dmuon.components.loaders import build_job_dataloader, global_batch_size
 from titan_dmuon.components.lr_scheduler import build_lr_scheduler
 from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
-from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
+from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec, model_vocab_size
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_dmuon.components.validate import Validator
@@ -131,7 +131,10 @@ class Trainer:
             else None
         )
         # 6. Model, on the meta device: nothing is allocated yet.
-        model = build_meta_model(self.spec, cfg, self.tokenizer.vocab_size)
+        vocab = model_vocab_size(cfg, self.tokenizer.vocab_size)
+        if vocab != self.tokenizer.vocab_size:  # saved in config.toml: a resume or generate.py needs no HF folder
+            cfg.model.vocab_size = vocab
+        model = build_meta_model(self.spec, cfg, vocab)
         self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
         logger.info(
             "Model %s/%s: %s params, %.3g training FLOPs/token",

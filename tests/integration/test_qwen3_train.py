@@ -97,13 +97,13 @@ def test_muon_naive_4_ranks_matches_dmuon(tmp_path, fsdp_4_ranks) -> None:
 
 
 # ------------------------------------------------------------------------------------ Hugging Face start
-def _hf_folder(folder: Path) -> Path:
+def _hf_folder(folder: Path, vocab: int = VOCAB) -> Path:
     """A tied tinymodel (seed 123, not the runs' seed 7) exported as a Hugging Face Qwen3 folder."""
     from titan_dmuon.components.hf import export_hf
     from titan_dmuon.models.qwen3 import SPEC, build_model
 
     torch.manual_seed(123)
-    model = build_model("tinymodel", vocab_size=VOCAB, device="cpu", max_seq_len=32)
+    model = build_model("tinymodel", vocab_size=vocab, device="cpu", max_seq_len=32)
     with torch.no_grad():  # far from the seeded init: peaked attention, blocks that outweigh the embedding
         for block in model.layers.values():
             block.attention.wq.weight.mul_(8)
@@ -116,7 +116,11 @@ def _hf_folder(folder: Path) -> Path:
 
 @pytest.mark.slow
 def test_initial_load_from_hf_folder_on_2_tp_ranks_matches_1_process(tmp_path, reference) -> None:
-    hf = _hf_folder(tmp_path / "hf")
+    """The folder's vocabulary is padded past the tokenizer's ids, as published ones are (Qwen3: 151,936 rows for
+    151,669 ids): the run takes its size from config.json and writes it into its saved config."""
+    from titan_dmuon.config import load_toml
+
+    hf = _hf_folder(tmp_path / "hf", vocab=VOCAB + 62)
     load = ["--checkpoint.initial_load_path", str(hf), "--training.steps", "2"]
     one = _train(1, tmp_path / "one", "--training.local_batch_size", "8", *load)
     two = _train(
@@ -125,6 +129,7 @@ def test_initial_load_from_hf_folder_on_2_tp_ranks_matches_1_process(tmp_path, r
     assert_same_run(two, one, rtol=1e-5)  # the first step's loss, and the next one's
     # the folder's weights, not the seeded init (which would give the reference's loss to 1e-6)
     assert abs(one["loss/train"][1] - reference["loss/train"][1]) > 0.01
+    assert load_toml(str(tmp_path / "one" / "config.toml")).model.vocab_size == VOCAB + 62
 
 
 # ------------------------------------------------------------------------------------------- the TP plan

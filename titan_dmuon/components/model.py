@@ -11,9 +11,11 @@ titan_dmuon/models/README.md shows how to add a family.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,6 +139,28 @@ def check_flavor(spec: ModelSpec, flavor: str) -> None:
         raise ValueError(f"{spec.name} has no flavor {flavor!r}; its flavors: {', '.join(spec.flavors)}")
 
 
+def model_vocab_size(cfg: JobConfig, tokenizer_vocab: int) -> int:
+    """The embedding's rows: model.vocab_size when set, else the vocab_size in the config.json of a Hugging Face
+    folder in checkpoint.initial_load_path (a published checkpoint's padded vocabulary), else the tokenizer's ids.
+    Fewer rows than the tokenizer has ids is a ConfigError: some targets would have no logit."""
+    size, source = cfg.model.vocab_size, "model.vocab_size"
+    hf_config = Path(cfg.checkpoint.initial_load_path) / "config.json" if cfg.checkpoint.initial_load_path else None
+    if not size and hf_config is not None and hf_config.is_file():
+        try:
+            size = int(json.loads(hf_config.read_text()).get("vocab_size") or 0)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.initial_load_path: unreadable {hf_config} ({e})") from None
+        source = f"vocab_size in {hf_config}"
+    if not size:
+        return tokenizer_vocab
+    if size < tokenizer_vocab:
+        raise ConfigError(
+            f"{source} is {size}, but the tokenizer {cfg.model.tokenizer!r} has {tokenizer_vocab} ids: use the "
+            f"model's own tokenizer (model.tokenizer), or a model.vocab_size of at least {tokenizer_vocab}"
+        )
+    return size
+
+
 def build_meta_model(spec: ModelSpec, cfg: JobConfig, vocab_size: int | None) -> nn.Module:
     """The configured flavor on the meta device (the trainer's and the dry-run planner's one builder);
     `vocab_size=None` keeps the flavor's own. A flavor that rejects its arguments is a ConfigError."""
@@ -153,5 +177,6 @@ __all__ = [
     "check_flavor",
     "cross_entropy_loss",
     "get_model_spec",
+    "model_vocab_size",
     "register_model_spec",
 ]

@@ -97,10 +97,16 @@ class Model:
     """Size preset of that family (its ModelSpec's flavors, e.g. debugmodel, 8B, 70B)."""
     tokenizer: str = "byte"
     """Tokenizer: "byte" for the built-in byte-level tokenizer, else a path to a Hugging Face tokenizer.json."""
+    vocab_size: int = 0
+    """Rows of the embedding (and output) matrix: 0 = the tokenizer's ids, or, when checkpoint.initial_load_path is a
+    Hugging Face folder, its config.json's vocab_size (published vocabularies are padded past the tokenizer's ids:
+    Qwen3's 151,936 rows for 151,669 ids). Set it to train from scratch with a padded vocabulary; the rows past the
+    tokenizer's ids are never a target."""
 
     def validate(self) -> None:
-        """Nothing to range-check: the names are checked against their registries when the trainer starts (the
-        registries import torch and the model families)."""
+        """The names are checked against their registries when the trainer starts (the registries import torch and
+        the model families)."""
+        _at_least("model", 0, vocab_size=self.vocab_size)
 
 
 @dataclass

@@ -14,8 +14,10 @@ from titan_dmuon.components.model import (
     check_flavor,
     cross_entropy_loss,
     get_model_spec,
+    model_vocab_size,
     register_model_spec,
 )
+from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.models.tiny_mlp import TinyMLP, is_muon_target
 
 
@@ -78,3 +80,22 @@ def test_quickstart_tiny_mlp_unchanged() -> None:
     assert [n for n, p in model.named_parameters() if is_muon_target(n, p)] == [
         f"layers.{i}.{w}_proj.weight" for i in range(2) for w in ("gate", "up", "down")
     ]
+
+
+def test_vocab_size_from_the_config_an_hf_folder_or_the_tokenizer(tmp_path) -> None:
+    """Published checkpoints pad their vocabulary past the tokenizer's ids; a size below the ids is an error."""
+    cfg = JobConfig()
+    assert model_vocab_size(cfg, 258) == 258
+    (tmp_path / "config.json").write_text('{"vocab_size": 320}')
+    cfg.checkpoint.initial_load_path = str(tmp_path)
+    assert model_vocab_size(cfg, 258) == 320
+    cfg.model.vocab_size = 384  # the user's choice wins over the folder's
+    assert model_vocab_size(cfg, 258) == 384
+    with pytest.raises(ConfigError, match=r"model.vocab_size is 384, but the tokenizer 'byte' has 400 ids"):
+        model_vocab_size(cfg, 400)
+    cfg.model.vocab_size = 0
+    with pytest.raises(ConfigError, match=r"vocab_size in .*config.json is 320, but the tokenizer 'byte' has 400 ids"):
+        model_vocab_size(cfg, 400)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="unreadable"):
+        model_vocab_size(cfg, 258)
