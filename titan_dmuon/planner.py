@@ -44,6 +44,8 @@ from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flav
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
+from titan_dmuon.dmuon.partition import PartitionItem, item_cost
+from titan_dmuon.dmuon.tp import heads_are_local
 from titan_dmuon.parallel import ParallelDims, fsdp_blocks, parallelize
 from titan_dmuon.parallel.layout import describe_layout
 
@@ -264,6 +266,13 @@ def format_capacity(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _head_blocks(model: torch.nn.Module, dps: list, options: dmuon.MuonOptions) -> dict[str, tuple[int, int] | None]:
+    """fqn -> the head blocks its update is split into (per-head Muon), None for a whole-matrix update."""
+    state = dmuon.state.find_state(model)
+    recorded = state.head_blocks if state is not None else {}
+    return {dp.fqn: options.active_blocks(recorded.get(dp.fqn)) for dp in dps}
+
+
 # ------------------------------------------------------------------------------------------------- build
 def _vocab_size(cfg: JobConfig, spec: ModelSpec) -> tuple[int | None, str]:
     """The tokenizer's vocabulary when it can be loaded here, else the flavor's own (a dry run needs no data)."""
@@ -475,10 +484,20 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
 
     # ---- LPT plan -----------------------------------------------------------------------------------------
     ns_steps = m.ns_steps
-    cost = {dp.fqn: dmuon.partition.ns_cost(tuple(dp.full_shape), ns_steps) for dp in dps}  # half the matmul FLOPs
+    blocks_of = _head_blocks(model, dps, m.to_options())
+    cost = {  # half the matmul FLOPs; per-head Muon: blocks x a block's
+        dp.fqn: item_cost(PartitionItem(dp.fqn, tuple(dp.full_shape), "", head_blocks=blocks_of[dp.fqn]), ns_steps)
+        for dp in dps
+    }
+    heads_local = {dp.fqn for dp in dps if blocks_of[dp.fqn] and heads_are_local(dp, blocks_of[dp.fqn])}
     ns_flops = np.zeros(W)
     jobs: list[float] = []
     for dp in dps:  # a TP-sharded matrix runs on its TP owner; an unsharded one on each TP rank's DP owner
+        if dp.fqn in heads_local:  # per-head Muon, whole heads in each TP shard: each TP rank its own heads
+            for tp in range(T):
+                ns_flops[mesh.rank(dp.owner_replicate, dp.owner_shard, tp)] += 2 * cost[dp.fqn] / T
+                jobs.append(2 * cost[dp.fqn] / T)
+            continue
         for tp in [dp.tp_owner] if dp.tp_group is not None else range(T):
             ns_flops[mesh.rank(dp.owner_replicate, dp.owner_shard, tp)] += 2 * cost[dp.fqn]
             jobs.append(2 * cost[dp.fqn])
@@ -527,7 +546,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     }
 
     # ---- bytes per step -----------------------------------------------------------------------------------
-    comm = _bytes_per_step(cfg, dps, mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce)
+    comm = _bytes_per_step(cfg, dps, blocks_of, mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce)
 
     elapsed = time.perf_counter() - started
     return {
@@ -555,9 +574,12 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     }
 
 
-def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce) -> dict:
+def _bytes_per_step(
+    cfg, dps, blocks_of, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce
+) -> dict:
     """Per rank, what DMuon's ledger records in a steady-state step (docs/dmuon.md, "Bytes per step"), the
-    formulas, and the other two optimizers on the same mesh (the Muon matrices; the other params apart)."""
+    formulas, and the other two optimizers on the same mesh (the Muon matrices; the other params apart).
+    `blocks_of`: fqn -> per-head blocks (a TP shard holding whole heads needs no gather, scatter or Gram)."""
     R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
     s_of, r_of = coords["shard"], coords["replicate"]
     frac = lambda k: (k - 1) / k  # noqa: E731 - the per-rank share of a rooted collective over k ranks
@@ -587,10 +609,11 @@ def _bytes_per_step(cfg, dps, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_nume
             nbytes["replicate_reduce"][column] += frac(R) * (dp.numel + 1) * e_red
             elements["replicate_broadcast"][column] += frac(R) * dp.numel
             nbytes["replicate_broadcast"][column] += frac(R) * dp.numel * 4  # the fp32 master
-        if dp.tp_group is not None and T > 1:
+        blocks = blocks_of[dp.fqn]
+        if dp.tp_group is not None and T > 1 and not (blocks and heads_are_local(dp, blocks)):
             owners = column & (r_of == dp.owner_replicate)  # the T ranks of the DP owner's TP group
             m, n = dp.full_shape
-            if gram and dp.shard_dim == (0 if m > n else 1 if n > m else -1):
+            if gram and blocks is None and dp.shard_dim == (0 if m > n else 1 if n > m else -1):
                 s = min(m, n)
                 elements["tp_gram"][owners] += 2 * frac(T) * s * s * gram_segments
                 nbytes["tp_gram"][owners] += 2 * frac(T) * s * s * gram_segments * 4

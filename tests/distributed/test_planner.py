@@ -33,7 +33,11 @@ DEBUG = [
 ]
 LAYOUTS = {
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
-    "dp2xtp2-bf16": ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"],
+    # per-head Muon: wq/wk/wv hold whole heads in each TP shard (NS there, no gather); wo and the MLP are gathered
+    "dp2xtp2-bf16-per-head": [
+        *("--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"),
+        *("--optimizer.muon.per_head", "true"),
+    ],
 }
 MEMORY = ("fsdp_param_shards", "dmuon_fp32_masters", "muon_momentum", "adamw_moments", "gradients")
 
