@@ -225,8 +225,9 @@ class Optimizer:
     grad all-gathered and Newton-Schulz run on every rank (the baseline); "adamw" = AdamW on every param.
     """
     muon_params: str = ""
-    """Regex over parameter FQNs (as in model.named_parameters()) selecting the 2D Muon params; the others use AdamW.
-    Empty = the model family's default (its block matrices).
+    """Regex over parameter FQNs (as in model.named_parameters()) selecting the Muon params: 2D matrices and 3D expert
+    stacks (each expert's matrix orthogonalized on its own); the others use AdamW. Empty = the model family's default
+    (its block matrices and expert stacks).
     """
     muon: MuonConfig = field(default_factory=MuonConfig)
     """Muon settings, for "dmuon" and "muon_naive"."""
@@ -334,6 +335,11 @@ class Parallelism:
     """Ranks one replica is sharded over (FSDP2 / DMuon ownership); -1 = world_size // (replicate * tp)."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (the innermost mesh axis)."""
+    expert_parallel_degree: int = 1
+    """Expert parallelism (MoE models): the experts are split over this many ranks, borrowed from the shard axis
+    (it must divide data_parallel_shard_degree), and tokens travel to their experts by all-to-all. Dense params
+    keep the whole shard axis; each expert shard is data-parallel over the remaining shard ranks (x TP ranks, x
+    replicas). 1 = every rank holds every expert."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2 reshard_after_forward: "default" reshards every block unit but not the root (its params are needed
     again at the start of backward), "always" reshards all, "never" keeps them gathered (ZeRO-2). Under dmuon the
@@ -347,7 +353,12 @@ class Parallelism:
 
     def validate(self) -> None:
         """The degrees alone; whether they fit the world size is `validate_parallelism`'s (at launch)."""
-        _at_least("parallelism", 1, tensor_parallel_degree=self.tensor_parallel_degree)
+        _at_least(
+            "parallelism",
+            1,
+            tensor_parallel_degree=self.tensor_parallel_degree,
+            expert_parallel_degree=self.expert_parallel_degree,
+        )
         replicate = self.data_parallel_replicate_degree
         require(
             replicate == "nodes" or replicate >= 1,

@@ -294,6 +294,11 @@ def validate_parallelism(cfg: JobConfig, world_size: int, ranks_per_node: int | 
             f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) = {product}, "
             f"but the world size is {world_size}"
         )
+    if dp_shard % p.expert_parallel_degree:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree ({p.expert_parallel_degree}) must divide "
+            f"data_parallel_shard_degree ({dp_shard}): expert parallelism borrows its ranks from the shard axis"
+        )
     return dp_replicate, dp_shard, tp
 
 

@@ -19,7 +19,7 @@ from .group import DedicatedParamGroup
 from .hooks import resolve_hook_modules
 from .param import DedicatedParam, local_of
 from .partition import PartitionItem, compute_balanced_assignment
-from .state import DMuonState, attach_state, find_state, state_of
+from .state import DMuonState, DPAxes, attach_state, find_state, state_of
 
 Predicate = Callable[[str, nn.Parameter], bool]
 Owner = int | tuple[int, int]
@@ -59,16 +59,17 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
     for name, p in model.named_parameters():
         if not predicate(name, p):
             continue
-        if p.ndim != 2:
+        if p.ndim not in (2, 3):
             raise ValueError(
                 f"dedicate_params: the predicate selected '{name}' with shape {tuple(p.shape)}, but DMuon "
-                "dedicates 2D matrices only: add `p.ndim == 2` to the predicate"
+                "dedicates 2D matrices and 3D expert stacks (experts x out x in) only: add `p.ndim in (2, 3)` to "
+                "the predicate"
             )
         if not p.requires_grad:
             continue
         selected.append((name, p))
     if not selected:
-        raise ValueError("dedicate_params: the predicate selected no 2D parameter that requires grad")
+        raise ValueError("dedicate_params: the predicate selected no 2D/3D parameter that requires grad")
     on_meta = sorted({p.device.type == "meta" for _, p in selected})
     if on_meta == [False, True]:
         meta = next(name for name, p in selected if p.device.type == "meta")
@@ -91,6 +92,7 @@ def dedicate_params(
     tp_buffer_reuse: bool | str = False,
     reduce_dtype: torch.dtype = torch.float32,
     head_blocks: HeadBlocks | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> dict[nn.Parameter, Owner]:
     """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
 
@@ -108,6 +110,14 @@ def dedicate_params(
     the NS cost of one block. `size` must divide the matrix's (full) `dim`; a FQN that is not a dedicated matrix
     is a ValueError. Record only the blocks the optimizer will use (they set the partition's cost).
 
+    A selected 3D parameter is an **expert stack** (experts x out x in, docs/dmuon.md "Experts"): Newton-Schulz
+    runs on each expert's out x in matrix (batched), its lr scaled by that shape, as `torch.optim.Muon` would
+    step each expert given as a 2D parameter. `expert_mesh` (expert parallelism) is the 1D mesh of the ranks that
+    hold the same experts (the expert-data-parallel ranks; the stacks are DTensors sharded on dim 0 over the
+    expert-parallel mesh): the stacks are then owned, broadcast and reduced over it (with `replicate_mesh`) instead
+    of `mesh`, each behind its own module's hooks, and their grads scaled by `expert_mesh.size() / mesh.size()`
+    (an expert-parallel rank's grad already sums every rank's tokens). Without it they are owned over `mesh`.
+
     On a model on the meta device it records the ownership and allocates nothing: then call
     `dmuon.init_dedicated_params(model, init_fn, device)` (after `fully_shard`) to allocate and fill each rank's
     share. On a materialized model each owner column copies its fp32 master from the live values.
@@ -117,6 +127,8 @@ def dedicate_params(
     _check_mesh(mesh, "mesh", "shard" if replicate_mesh is not None else None)
     if replicate_mesh is not None:
         _check_mesh(replicate_mesh, "replicate_mesh", "replicate")
+    if expert_mesh is not None:
+        _check_mesh(expert_mesh, "expert_mesh", None)
     if tp_buffer_reuse not in (False, True, "gather", "scatter", "all"):
         raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
     if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
@@ -134,6 +146,7 @@ def dedicate_params(
         tp_buffer_reuse=tp_buffer_reuse,
         reduce_dtype=reduce_dtype,
         head_blocks=head_blocks,
+        expert_mesh=expert_mesh,
     )
 
 
@@ -150,10 +163,14 @@ def _dedicate(
     tp_buffer_reuse=False,
     reduce_dtype=torch.float32,
     head_blocks: HeadBlocks | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> dict[nn.Parameter, Owner]:
     blocks = _check_head_blocks(head_blocks, selected)
+    own_axes = expert_mesh is not None
+    experts = [(n, p) for n, p in selected if p.ndim == 3 and own_axes]
+    dense = [(n, p) for n, p in selected if not (p.ndim == 3 and own_axes)]
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
-    layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
+    layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in dense}
     tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
     state = DMuonState(
         shard_mesh=mesh,
@@ -163,45 +180,38 @@ def _dedicate(
         tp_rank=next(iter(tp_ranks)) if tp_ranks else _tp.tp_coordinate(mesh, replicate_mesh, dp_names),
         tp_buffer_reuse=tp_buffer_reuse,
     )
-    if len(set(state.coords)) != len(state.coords) and dist.get_backend() != "fake":  # a fake PG gathers nothing
-        raise ValueError(
-            "dedicate_params: two ranks have the same (shard, replicate, tp) coordinates, so owners cannot be told "
-            "apart: pass the shard (and replicate) slices of one named DeviceMesh (init_device_mesh(..., "
-            f"mesh_dim_names=...)), whose other dims are the TP ones (coordinates by global rank: {state.coords})"
-        )
+    _check_coords(state.axes, "the shard (and replicate) slices")
     state.head_blocks = blocks
-    G, R = state.shard_size, state.replicate_size
-    hook_of = resolve_hook_modules(model, [n for n, _ in selected], hook_boundary_predicate)
-    items = [
-        PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None, head_blocks=blocks.get(n))
-        for n, p in selected
-    ]
-    slots = compute_balanced_assignment(items, G * R)
-    tp_owner = _assign_tp_owners(items, slots, layouts)
+    hook_of = resolve_hook_modules(model, [n for n, _ in dense], hook_boundary_predicate)
+    owned = _place(dense, state.axes, layouts, hook_of, blocks)
+    if experts:  # expert stacks: their own axes, each behind its own module (a group has one set of axes)
+        e_names = _tp.dp_mesh_names(expert_mesh, replicate_mesh)
+        e_layouts = {name: _tp.tp_layout(name, p, e_names) for name, p in experts}
+        e_ranks = {lay.rank for lay in e_layouts.values() if lay is not None}
+        G = state.axes.shard_size
+        state.expert_axes = DPAxes(
+            expert_mesh,
+            replicate_mesh,
+            next(iter(e_ranks)) if e_ranks else _tp.tp_coordinate(expert_mesh, replicate_mesh, e_names),
+            desc="dmuon_expert",
+            grad_scale=expert_mesh.size() / G,
+            replicate_group=state.axes.replicate_group,
+        )
+        _check_coords(state.expert_axes, "expert_mesh (and replicate_mesh)")
+        hook_of.update({n: n.rpartition(".")[0] for n, _ in experts})
+        resolve_hook_modules(model, [n for n, _ in experts], lambda m: True)  # each stack's module has a forward
+        owned += _place(experts, state.expert_axes, e_layouts, hook_of, blocks)
 
     by_module: dict[str, list[DedicatedParam]] = {}
-    for name, p in selected:
-        slot, lay = slots[name], layouts[name]
+    for name, p, dp in owned:
         local = local_of(p)
-        dp = DedicatedParam(
-            fqn=name,
-            param=p,
-            owner_shard=slot % G,
-            owner_replicate=slot // G,
-            shard_rank=state.shard_rank,
-            replicate_rank=state.replicate_rank,
-            full_shape=p.shape,
-            _orig_size=local.shape,
-        )
-        if lay is not None:
-            dp.shard_dim, dp.tp_group, dp.tp_rank, dp.tp_owner = lay.shard_dim, lay.group, lay.rank, tp_owner[name]
         if local.device.type == "meta":
             pass  # ownership only: init_dedicated_params allocates and fills the masters
         elif mode == "ddp" and local.dtype == torch.float32:
             dp._owned_data = local.data  # DDP keeps the live param: it is the fp32 master itself
         elif dp.in_owner_column:
             dp._owned_data = local.detach().to(torch.float32, copy=True)
-        p._dedicated_owner_rank = dp.owner_shard if R == 1 else (dp.owner_shard, dp.owner_replicate)
+        p._dedicated_owner_rank = dp.owner_rank
         p._dmuon_param = dp
         state.dparams.append(dp)
         state.by_param[p] = dp
@@ -227,6 +237,46 @@ def _dedicate(
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}
+
+
+def _check_coords(axes: DPAxes, what: str) -> None:
+    if len(set(axes.coords)) != len(axes.coords) and dist.get_backend() != "fake":  # a fake PG gathers nothing
+        raise ValueError(
+            f"dedicate_params: two ranks have the same (shard, replicate, tp) coordinates on {what}, so owners "
+            "cannot be told apart: pass the shard (and replicate) slices of one named DeviceMesh "
+            "(init_device_mesh(..., mesh_dim_names=...)), whose other dims are the TP ones (coordinates by global "
+            f"rank: {axes.coords})"
+        )
+
+
+def _place(selected, axes: DPAxes, layouts, hook_of, blocks) -> list[tuple[str, nn.Parameter, DedicatedParam]]:
+    """One DedicatedParam per selected matrix, owned over `axes`: global LPT over its G·R owner slots (an expert
+    stack costs its experts' NS, `partition.item_cost`), TP owners inside each DP owner's bucket."""
+    G, R = axes.shard_size, axes.replicate_size
+    items = [
+        PartitionItem(n, tuple(p.shape), hook_of[n], mergeable=layouts[n] is None, head_blocks=blocks.get(n))
+        for n, p in selected
+    ]
+    slots = compute_balanced_assignment(items, G * R)
+    tp_owner = _assign_tp_owners(items, slots, layouts)
+    out = []
+    for name, p in selected:
+        slot, lay = slots[name], layouts[name]
+        dp = DedicatedParam(
+            fqn=name,
+            param=p,
+            owner_shard=slot % G,
+            owner_replicate=slot // G,
+            shard_rank=axes.shard_rank,
+            replicate_rank=axes.replicate_rank,
+            full_shape=p.shape,
+            axes=axes,
+            _orig_size=local_of(p).shape,
+        )
+        if lay is not None:
+            dp.shard_dim, dp.tp_group, dp.tp_rank, dp.tp_owner = lay.shard_dim, lay.group, lay.rank, tp_owner[name]
+        out.append((name, p, dp))
+    return out
 
 
 def _check_head_blocks(head_blocks: HeadBlocks | None, selected) -> dict[str, tuple[int, int]]:
@@ -439,5 +489,4 @@ def get_owned_params(model: nn.Module, rank: int | None = None) -> list[Dedicate
     """The dedicated params whose global owner is `rank` (default: this process's global rank)."""
     state = state_of(model, "get_owned_params")
     rank = dist.get_rank() if rank is None else rank
-    shard, rep, tp = state.coords[rank]
-    return [dp for dp in state.dparams if state.owner_global_rank(dp, tp) == rank]
+    return [dp for dp in state.dparams if dp.axes.owner_global_rank(dp, dp.axes.coords[rank][2]) == rank]

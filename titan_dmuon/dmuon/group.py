@@ -70,6 +70,7 @@ class DedicatedParamGroup:
         reduce_dtype: torch.dtype | None = None,
     ):
         self.state = state
+        self.axes = dparams[0].axes  # every param of a group is owned over the same axes (api.py)
         self.index = index
         self.module_fqn = module_fqn
         self.module = module
@@ -156,9 +157,10 @@ class DedicatedParamGroup:
             for dp in self.params:
                 if dp.in_owner_column:  # this row's sender for that owner
                     self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
-            ops = [(self.buffer[s:e], st.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
+            ax = self.axes
+            ops = [(self.buffer[s:e], ax.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
             copied = Work([st.streams.event()])  # compute waits for the copy too (a 1-rank group broadcasts nothing)
-            self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")
+            self._unshard_work = broadcast_coalesced(ops, ax.shard_group, st.ledger, "broadcast")
         self._unshard_work = (self._unshard_work or Work()).merge(copied)
         self.unsharded = True
 
@@ -268,8 +270,9 @@ class DedicatedParamGroup:
                     else:
                         dst.zero_()
                     gbuf[dp.flag_index : dp.flag_index + 1].fill_(float(has_grad))
-                ops = [(gbuf[s:e], st.shard_global_rank(sh)) for sh, (s, e) in self.grad_shard_segments.items()]
-                work = reduce_coalesced(ops, st.shard_group, st.ledger, "reduce")
+                ax = self.axes
+                ops = [(gbuf[s:e], ax.shard_global_rank(sh)) for sh, (s, e) in self.grad_shard_segments.items()]
+                work = reduce_coalesced(ops, ax.shard_group, st.ledger, "reduce")
                 # what the next stream waits for includes the pack (a 1-rank shard group reduces nothing)
                 work = work.merge(Work([st.streams.event()]))
             for dp in self.params:  # on compute: the user's clears, then the placeholder
@@ -295,7 +298,8 @@ class DedicatedParamGroup:
         for dp in self.params:
             if dp.is_owner:
                 st.streams.hold(dp._reduced_grad, dp._grad_seen)
-                dp._reduced_grad.add_(gbuf[dp.grad_offset : dp.grad_offset + dp.numel].view(dp._orig_size))
+                grad = gbuf[dp.grad_offset : dp.grad_offset + dp.numel].view(dp._orig_size)
+                dp._reduced_grad.add_(grad, alpha=self.axes.grad_scale)
                 if dp._grad_seen is not None:
                     dp._grad_seen.add_(gbuf[dp.flag_index])
 

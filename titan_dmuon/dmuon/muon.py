@@ -334,8 +334,7 @@ class Muon(torch.optim.Optimizer):
                 i, b = pieces[k]
                 if i not in updates:
                     updates[i] = update_of(i)
-                hb = blocks[i]
-                mats.append(updates[i] if hb is None else updates[i].narrow(hb[0], b * hb[1], hb[1]))
+                mats.append(_block(updates[i], blocks[i], b))
             t0 = time.perf_counter()
             orthos = self._orthogonalize(mats, opts[pieces[chunk[0]][0]])
             secs += time.perf_counter() - t0
@@ -345,8 +344,7 @@ class Muon(torch.optim.Optimizer):
                 left[i] -= 1
                 if not left[i]:
                     del updates[i]
-                    parts = done.pop(i)
-                    finish(i, parts[0] if len(parts) == 1 else torch.cat(parts, dim=blocks[i][0]))
+                    finish(i, _assemble(done.pop(i), blocks[i], len(shapes[i])))
         return secs
 
     def _orthogonalize(self, updates: list[torch.Tensor], opts: dict, tp_gram_of=None) -> list[torch.Tensor]:
@@ -366,6 +364,26 @@ class Muon(torch.optim.Optimizer):
         adamw_step(group, self.state)
 
 
+EXPERT_BLOCKS = (0, 1)
+"""The blocks of an expert stack (experts x out x in): one per expert along dim 0, each an out x in matrix."""
+
+
+def _block(update: torch.Tensor, head_blocks: tuple[int, int] | None, b: int) -> torch.Tensor:
+    """Block `b` of a matrix's update: the whole update, a head block (a narrowed view), or an expert's matrix."""
+    if head_blocks is None:
+        return update
+    if update.dim() == 3:
+        return update[b]
+    return update.narrow(head_blocks[0], b * head_blocks[1], head_blocks[1])
+
+
+def _assemble(parts: list[torch.Tensor], head_blocks: tuple[int, int] | None, ndim: int) -> torch.Tensor:
+    """The orthogonalized blocks of one matrix put back together (`_block`'s inverse)."""
+    if ndim == 3:
+        return torch.stack(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=head_blocks[0])
+
+
 def _blocks(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> range:
     """The indices of a matrix's head blocks (one block, the whole matrix, without head blocks)."""
     return range(1 if head_blocks is None else int(shape[head_blocks[0]]) // head_blocks[1])
@@ -382,6 +400,9 @@ def _active_head_blocks(state, options: MuonOptions) -> dict:
         )
     out = {}
     for dp in state.dparams:
+        if len(dp.full_shape) == 3:  # an expert stack: NS on each expert's matrix, always
+            out[dp] = EXPERT_BLOCKS
+            continue
         blocks = options.active_blocks(state.head_blocks.get(dp.fqn))
         if blocks is not None:
             out[dp] = blocks

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from .group import DedicatedParamGroup
+    from .state import DPAxes
 
 
 def _swap_into(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -46,6 +47,7 @@ class DedicatedParam:
     replicate_rank: int
     full_shape: torch.Size
     group: DedicatedParamGroup | None = None
+    axes: DPAxes | None = None  # the DP axes it is owned over (the state's, or the expert stacks')
     offset: int = 0  # into the group's packed buffer
     _owned_data: torch.Tensor | None = None
     _reduced_grad: torch.Tensor | None = None
@@ -98,7 +100,7 @@ class DedicatedParam:
     @property
     def owner_rank(self) -> int | tuple[int, int]:
         """`int` shard rank in 1D, `(shard, replicate)` under HSDP."""
-        if self.group is not None and self.group.state.replicate_size > 1:
+        if self.axes is not None and self.axes.replicate_size > 1:
             return (self.owner_shard, self.owner_replicate)
         return self.owner_shard
 

@@ -33,7 +33,9 @@ def ns_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
 
 def block_shape(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> tuple[int, int]:
     """The shape of one head block of a matrix of `shape` split into blocks of `size` along `dim` (the matrix's own
-    shape without blocks)."""
+    shape without blocks); of an expert stack (3D: experts x out x in), one expert's matrix."""
+    if len(shape) == 3:
+        return int(shape[1]), int(shape[2])
     out = [int(shape[0]), int(shape[1])]
     if head_blocks is not None:
         out[head_blocks[0]] = int(head_blocks[1])
@@ -41,7 +43,10 @@ def block_shape(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> tu
 
 
 def item_cost(item: PartitionItem, ns_steps: int = 5) -> float:
-    """NS work of one item: `ns_cost` of its shape, or, with head blocks, blocks × `ns_cost` of a block."""
+    """NS work of one item: `ns_cost` of its shape, or, with head blocks, blocks × `ns_cost` of a block; an expert
+    stack, experts × `ns_cost` of one expert's matrix."""
+    if len(item.shape) == 3:
+        return int(item.shape[0]) * ns_cost(item.shape[1:], ns_steps)
     if item.head_blocks is None:
         return ns_cost(item.shape, ns_steps)
     dim, size = item.head_blocks

@@ -23,30 +23,30 @@ if TYPE_CHECKING:
 def reduce_replicate(group: DedicatedParamGroup, gbuf: torch.Tensor) -> Work:
     """Average this column's slice of `gbuf` over the replicate group onto each param's global owner, from the
     replicate-axis stream (the cross-node link's, at default priority: nothing in the backward waits for it)."""
-    st = group.state
-    if st.replicate_group is None:
+    st, ax = group.state, group.axes
+    if ax.replicate_group is None:
         return Work()
     ops = [
-        (gbuf[s:e], st.replicate_global_rank(rep))
+        (gbuf[s:e], ax.replicate_global_rank(rep))
         for (shard, rep), (s, e) in group.grad_owner_segments.items()
-        if shard == st.shard_rank
+        if shard == ax.shard_rank
     ]
     with st.streams.use("replicate_broadcast"):
-        return reduce_coalesced(ops, st.replicate_group, st.ledger, "replicate_reduce")
+        return reduce_coalesced(ops, ax.replicate_group, st.ledger, "replicate_reduce")
 
 
 def publish(group: DedicatedParamGroup, params: Sequence[DedicatedParam] | None = None) -> Work:
     """Broadcast the updated `_owned_data` of this column's params (default: all of the group's) from
     their global owners (async, on the default-priority replicate_broadcast stream: it has the whole next
     forward to hide in, behind the shard axis's broadcasts)."""
-    st = group.state
-    if st.replicate_group is None:
+    st, ax = group.state, group.axes
+    if ax.replicate_group is None:
         return Work()
     ops = [
-        (dp._owned_data, st.replicate_global_rank(dp.owner_replicate))
+        (dp._owned_data, ax.replicate_global_rank(dp.owner_replicate))
         for dp in (group.params if params is None else params)
         if dp.in_owner_column
     ]
     with st.streams.use("replicate_broadcast"):
         st.streams.hold(*(t for t, _ in ops))
-        return broadcast_coalesced(ops, st.replicate_group, st.ledger, "replicate_broadcast")
+        return broadcast_coalesced(ops, ax.replicate_group, st.ledger, "replicate_broadcast")

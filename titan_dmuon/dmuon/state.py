@@ -54,8 +54,63 @@ def attach_state(model: nn.Module, state: DMuonState) -> None:
     setattr(model, _ATTR, state)
 
 
+class DPAxes:
+    """The data-parallel axes a set of dedicated matrices is owned over: the shard group (owners, forward
+    broadcasts, stage-1 reduces), the replicate group (HSDP: stage-2 reduces, the publish), this rank's coordinates
+    on them and every rank's (shard, replicate, tp) coordinates. The dense matrices have the state's; expert stacks
+    under expert parallelism have their own (`dedicate_params(..., expert_mesh=...)`), whose shard group is the
+    expert-data-parallel one and whose "tp" coordinate tells the expert shards apart.
+
+    `grad_scale` multiplies the averaged grad on the owner: an expert's grad on its expert-parallel rank already
+    sums every rank's tokens routed to it, so averaging over the expert shard group (size G_e) leaves it
+    G/G_e times the dense average over G ranks: scale G_e/G (1 for dense matrices)."""
+
+    def __init__(
+        self,
+        shard_mesh,
+        replicate_mesh,
+        tp_rank: int,
+        *,
+        desc: str,
+        grad_scale: float = 1.0,
+        replicate_group: dist.ProcessGroup | None = None,
+    ):
+        self.shard_mesh = shard_mesh
+        self.replicate_mesh = replicate_mesh
+        # DMuon's own process groups, with the meshes' ranks: on NCCL the shard axis (the per-group broadcasts and
+        # reduces the forward and backward wait on) gets a high-priority stream, the replicate axis a default one
+        # (comm.dedicated_group says why FSDP2's mesh groups cannot give that). A missing mesh, or one of a
+        # single rank, is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
+        self.shard_group = dedicated_group(shard_mesh, high_priority=True, desc=f"{desc}_shard")
+        self.replicate_group = replicate_group or dedicated_group(
+            replicate_mesh, high_priority=False, desc=f"{desc}_replicate"
+        )
+        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
+        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
+        self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
+        self.grad_scale = grad_scale
+        # (shard, replicate, tp) coordinates of every global rank, gathered once: owner lookups need no guessing.
+        coords: list = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
+        self.coords = coords
+        self.coord_to_global = {c: r for r, c in enumerate(coords)}
+
+    def owner_global_rank(self, dp: DedicatedParam, tp_rank: int | None = None) -> int:
+        """Global rank of a param's DP owner in the DP slice of TP rank `tp_rank` (default: this rank's)."""
+        tp = self.tp_rank if tp_rank is None else tp_rank
+        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate, tp)]
+
+    def shard_global_rank(self, shard: int) -> int:
+        return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()
+
+    def replicate_global_rank(self, rep: int) -> int:
+        return dist.get_global_rank(self.replicate_group, rep)
+
+
 class DMuonState:
-    """Per-model DMuon state: meshes, groups in forward order, the reduce pipeline, the ledger."""
+    """Per-model DMuon state: the DP axes, groups in forward order, the reduce pipeline, the ledger."""
 
     def __init__(
         self,
@@ -67,21 +122,10 @@ class DMuonState:
         tp_rank: int = 0,
         tp_buffer_reuse: bool | str = False,
     ):
-        self.shard_mesh = shard_mesh
-        self.replicate_mesh = replicate_mesh
-        # DMuon's own process groups, with the meshes' ranks: on NCCL the shard axis (the per-group broadcasts and
-        # reduces the forward and backward wait on) gets a high-priority stream, the replicate axis a default one
-        # (comm.dedicated_group says why FSDP2's mesh groups cannot give that). A missing mesh, or one of a
-        # single rank, is an axis of size 1 (DDP has no shard axis, 1D FSDP no replicate axis).
-        self.shard_group = dedicated_group(shard_mesh, high_priority=True, desc="dmuon_shard")
-        self.replicate_group = dedicated_group(replicate_mesh, high_priority=False, desc="dmuon_replicate")
-        self.shard_size = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
-        self.replicate_size = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
-        self.shard_rank = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
-        self.replicate_rank = dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
+        self.axes = DPAxes(shard_mesh, replicate_mesh, tp_rank, desc="dmuon")
+        self.expert_axes: DPAxes | None = None  # expert stacks' own axes under expert parallelism (api.py)
         self.reshard_after_forward = reshard_after_forward
         self.mode = mode
-        self.tp_rank = tp_rank  # this rank's TP coordinate (0 without TP): one DP slice per TP rank
         kinds = {
             False: (),
             True: ("gather", "scatter"),
@@ -104,22 +148,23 @@ class DMuonState:
         self._accumulated = Work()  # the owners' accumulations, done on the replicate-axis stream
         self._callbacks: set[int] = set()  # the backwards (graph task ids) whose end-callback is queued
         self._backward_ended = False  # a backward ended since the last forward began (see `new_forward`)
-        # (shard, replicate) coordinates of every global rank, gathered once: owner lookups need no guessing.
-        coords: list = [None] * dist.get_world_size()
-        dist.all_gather_object(coords, (self.shard_rank, self.replicate_rank, self.tp_rank))
-        self.coords = coords
-        self.coord_to_global = {c: r for r, c in enumerate(coords)}
+
+    # The dense matrices' axes, by their old names (the library's and the tests' readers).
+    shard_mesh = property(lambda self: self.axes.shard_mesh)
+    replicate_mesh = property(lambda self: self.axes.replicate_mesh)
+    shard_group = property(lambda self: self.axes.shard_group)
+    replicate_group = property(lambda self: self.axes.replicate_group)
+    shard_size = property(lambda self: self.axes.shard_size)
+    replicate_size = property(lambda self: self.axes.replicate_size)
+    shard_rank = property(lambda self: self.axes.shard_rank)
+    replicate_rank = property(lambda self: self.axes.replicate_rank)
+    tp_rank = property(lambda self: self.axes.tp_rank)
+    coords = property(lambda self: self.axes.coords)
+    coord_to_global = property(lambda self: self.axes.coord_to_global)
 
     def owner_global_rank(self, dp: DedicatedParam, tp_rank: int | None = None) -> int:
         """Global rank of a param's DP owner in the DP slice of TP rank `tp_rank` (default: this rank's)."""
-        tp = self.tp_rank if tp_rank is None else tp_rank
-        return self.coord_to_global[(dp.owner_shard, dp.owner_replicate, tp)]
-
-    def shard_global_rank(self, shard: int) -> int:
-        return dist.get_global_rank(self.shard_group, shard) if self.shard_group is not None else dist.get_rank()
-
-    def replicate_global_rank(self, rep: int) -> int:
-        return dist.get_global_rank(self.replicate_group, rep)
+        return dp.axes.owner_global_rank(dp, tp_rank)
 
     def next_group(self, g: DedicatedParamGroup) -> DedicatedParamGroup | None:
         return self.groups[g.index + 1] if g.index + 1 < len(self.groups) else None

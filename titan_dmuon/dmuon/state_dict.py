@@ -58,10 +58,11 @@ def _owner_tensor(state, dp: DedicatedParam, tensor: torch.Tensor | None, *, on_
         if holder
         else torch.empty(dp._orig_size, dtype=torch.float32, device=dp.local.device)
     )
-    if not on_column and state.replicate_group is not None and dp.in_owner_column:
-        dist.broadcast(out, src=state.replicate_global_rank(dp.owner_replicate), group=state.replicate_group)
-    if state.shard_group is not None:
-        dist.broadcast(out, src=state.shard_global_rank(dp.owner_shard), group=state.shard_group)
+    ax = dp.axes
+    if not on_column and ax.replicate_group is not None and dp.in_owner_column:
+        dist.broadcast(out, src=ax.replicate_global_rank(dp.owner_replicate), group=ax.replicate_group)
+    if ax.shard_group is not None:
+        dist.broadcast(out, src=ax.shard_global_rank(dp.owner_shard), group=ax.shard_group)
     return _tp.full_from_shards(out, dp)
 
 

@@ -1,9 +1,12 @@
-"""parallelize(model): TP -> activation checkpointing -> per-block torch.compile -> optimizer prepare -> FSDP2,
+"""parallelize(model): TP -> EP -> activation checkpointing -> per-block torch.compile -> optimizer prepare -> FSDP2,
 all on the meta device (nothing is allocated until `materialize`).
 
 The model family's ModelSpec says where the blocks are and what the TP plan is; the optimizer component
 says which params FSDP2 must leave alone. The order matters:
   * TP first: it turns the block matrices into TP DTensors, and the optimizer/FSDP2 then shard those.
+  * EP next (parallelism.expert_parallel_degree, expert_parallel.py): the expert stacks become DTensors sharded on
+    the expert dim over mesh["ep"] and the MoE layers route tokens by all-to-all; the optimizer (DMuon's
+    expert_mesh) or FSDP2 (a unit per expert stack, over the expert-DP mesh) then shards them again.
   * AC and compile only change *how a block's forward body runs*, never the module tree: they replace the
     block's `forward` (an instance attribute) and keep the block module where it is. So every parameter
     FQN stays the same (the muon_params regex, DMuon's hook boundaries and the state-dict keys all see plain
@@ -28,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from titan_dmuon import dmuon
 from titan_dmuon.config import ActivationCheckpoint, ConfigError, JobConfig
 
+from .expert_parallel import apply_ep, expert_modules
 from .parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -197,6 +201,16 @@ def apply_fsdp(
             len(blocks),
             100 * MIN_BLOCK_UNIT_FRACTION,
         )
+    if dims.ep_enabled:  # expert stacks (not the optimizer's): units of their own over the expert-DP mesh
+        for experts in expert_modules(model):
+            if ignored_params and all(p in ignored_params for p in experts.parameters()):
+                continue
+            fully_shard(
+                experts, mesh=dims.expert_fsdp_mesh(mesh), mp_policy=block_mp, reshard_after_forward=mode != "never"
+            )
+            # an expert's grad on its EP rank already sums every rank's tokens: divide by all DP ranks, not the
+            # expert-DP ranks FSDP2 reduces over
+            experts.set_gradient_divide_factor(float(dims.dp_world_size))
     for block in units:
         fully_shard(
             block, mesh=fsdp_mesh, mp_policy=block_mp, reshard_after_forward=mode != "never", ignored_params=ignored
@@ -212,7 +226,7 @@ def parallelize(
     spec: ModelSpec,
     optimizer: OptimizerComponent,
 ) -> nn.Module:
-    """TP (tp > 1) -> AC -> compile -> optimizer.prepare -> FSDP2, in place; returns the model.
+    """TP (tp > 1) -> EP (ep > 1) -> AC -> compile -> optimizer.prepare -> FSDP2, in place; returns the model.
 
     Runs on the meta model (the trainer then calls `materialize`, which allocates and initializes each rank's
     share; the dry-run planner stops here). It also works on a materialized model: DMuon then copies each
@@ -222,6 +236,11 @@ def parallelize(
     reduce_dtype = dmuon.to_dtype(cfg.training.mixed_precision_reduce)
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"], cfg, spec)
+    if dims.ep_enabled and apply_ep(model, mesh["ep"]) == 0:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {dims.ep}, but {cfg.model.name}/{cfg.model.flavor} has no "
+            "Mixture-of-Experts layer: use an MoE flavor (e.g. qwen3 debugmodel_moe) or expert_parallel_degree = 1"
+        )
     blocks = spec.blocks(model)
     apply_ac(blocks, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:

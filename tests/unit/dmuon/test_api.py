@@ -36,7 +36,7 @@ def test_ddp_owners_are_mesh_ranks(one_rank):
 
 
 def test_predicate_selecting_a_non_2d_tensor(one_rank):
-    with pytest.raises(ValueError, match=r"'layers\.0\.ln\.weight' with shape \(8,\).*p\.ndim == 2"):
+    with pytest.raises(ValueError, match=r"'layers\.0\.ln\.weight' with shape \(8,\).*p\.ndim in \(2, 3\)"):
         dmuon.dedicate_params(tiny(), mesh1(), lambda n, p: "layers" in n)
 
 
@@ -82,7 +82,7 @@ def test_meshes(one_rank):
 
 
 def test_selection_problems(one_rank):
-    with pytest.raises(ValueError, match="selected no 2D parameter"):
+    with pytest.raises(ValueError, match="selected no 2D/3D parameter"):
         dmuon.dedicate_params(tiny(), mesh1(), lambda n, p: False)
     with torch.device("meta"):
         meta = TinyMLP(D, FF, LAYERS)

@@ -256,6 +256,11 @@ def test_validate_parallelism():
     assert "= 12" in str(e.value) and "world size is 8" in str(e.value)
     cfg.parallelism.data_parallel_shard_degree = 2
     assert validate_parallelism(cfg, 8) == (2, 2, 2)
+    cfg.parallelism.expert_parallel_degree = 2  # borrowed from the shard axis
+    assert validate_parallelism(cfg, 8) == (2, 2, 2)
+    cfg.parallelism.expert_parallel_degree = 4
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree \(4\) must divide data_parallel_shard_degree \(2\)"):
+        validate_parallelism(cfg, 8)
 
 
 @pytest.mark.slow  # the 70B config validates through the library (imports) and its TP plan: ~25 s

@@ -61,9 +61,10 @@ def muon_options(cfg: JobConfig) -> dict[str, Any]:
 
 
 def muon_predicate(pattern: str) -> Predicate:
-    """Muon params: 2D params whose FQN matches `pattern` (re.search: anchor the pattern to match whole FQNs)."""
+    """Muon params: 2D params, and 3D expert stacks (experts x out x in, orthogonalized expert by expert), whose FQN
+    matches `pattern` (re.search: anchor the pattern to match whole FQNs)."""
     regex = re.compile(pattern)
-    return lambda name, p: p.ndim == 2 and regex.search(name) is not None
+    return lambda name, p: p.ndim in (2, 3) and regex.search(name) is not None
 
 
 class OptimizerComponent:

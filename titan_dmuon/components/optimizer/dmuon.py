@@ -57,6 +57,8 @@ class DMuon(OptimizerComponent):
             param_dtype=param_dtype,
             reduce_dtype=dmuon.to_dtype(t.mixed_precision_reduce),  # as FSDP2's reduce_dtype
             head_blocks=self.head_blocks(model) or None,  # optimizer.muon.per_head: the family's head blocks
+            # expert parallelism: the expert stacks are owned over the ranks that hold the same experts
+            expert_mesh=dims.expert_dp_mesh(mesh) if dims.ep_enabled else None,
         )
         self.own_params = set(owners)
         return self.own_params

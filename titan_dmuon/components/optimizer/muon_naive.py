@@ -6,7 +6,8 @@ the same Newton-Schulz as every other rank, and applies its own shard of the upd
 Newton-Schulz work of DMuon and an all-gather of every Muon grad. The update is dmuon.Muon's for the same
 options (the same Newton-Schulz and lr scaling functions), so the two train the same model; with
 `per_head` it orthogonalizes each head block of the full matrix on its own and scales its lr by the block's
-shape, as dmuon.Muon does.
+shape, as dmuon.Muon does. An expert stack (a 3D param, experts x out x in) is orthogonalized expert by
+expert, as dmuon.Muon does.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ class NaiveMuon(torch.optim.Optimizer):
         kwargs = self.options.ns_kwargs(opts, update.device)
         shape = list(p.shape)  # the shape the lr is scaled by: the matrix's, or one head block's
         t0 = time.perf_counter()
-        if p in self.head_blocks:  # per head: each block of the full matrix on its own
+        if update.dim() == 3:  # an expert stack: each expert's matrix on its own, lr scaled by its shape
+            shape = shape[1:]
+            ortho = torch.stack([dmuon.zeropower_via_newtonschulz(e, **kwargs) for e in update.unbind(0)])
+        elif p in self.head_blocks:  # per head: each block of the full matrix on its own
             dim, size = self.head_blocks[p]
             shape[dim] = size
             blocks = update.split(size, dim=dim)
