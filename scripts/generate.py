@@ -33,6 +33,9 @@ _SHAPE_KEYS = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "num_experts",  # MoE: absent from dense configs (then not compared)
+    "num_experts_per_tok",
+    "moe_intermediate_size",
 )
 
 

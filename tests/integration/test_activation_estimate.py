@@ -20,11 +20,12 @@ from tests.activation_memory import held_bytes, module_storages, saved_tensor_by
 
 TOLERANCE = 0.10
 # (family, flavor, ModelArgs overrides): multi-head attention, and grouped-query attention (kv heads repeated for
-# SDPA); Qwen3's tinymodel: GQA, q/k norms, attention twice as wide as dim
+# SDPA); Qwen3's tinymodel: GQA, q/k norms, attention twice as wide as dim; Qwen3-MoE's debugmodel_moe
 FLAVORS = {
     "tinymodel": ("llama3", "tinymodel", {}),
     "debugmodel-gqa": ("llama3", "debugmodel", {"n_kv_heads": 4}),
     "qwen3-tinymodel": ("qwen3", "tinymodel", {}),
+    "qwen3-debugmodel_moe": ("qwen3", "debugmodel_moe", {}),  # every block an MoE (models/qwen3/moe.py)
 }
 VOCAB, B, T = 2048, 2, 64
 # (activation_checkpoint.mode, selective_ac_option): the block kinds every mode is made of

@@ -6,7 +6,11 @@ state_dict_adapter.py). `load_hf_weights` fills the template `OptimizerComponent
 on every rank, reading only that rank's share from the memory-mapped safetensors files: a plain slice where
 the conversion is a rename, the HF rows its rows come from where it moves rows (the RoPE q/k permutation: a
 contiguous range of our rows is at most two contiguous HF row ranges per head), and one full matrix only where
-the shard itself interleaves rows (FSDP2 over TP, _StridedShard).
+the shard itself interleaves rows (FSDP2 over TP, _StridedShard). A tensor of ours that stacks several HF
+tensors (MoE experts: `StateDictAdapter.stacked_hf_names`) is written as its pieces and read back from them, each
+rank reading only the pieces of its slice.
+A tensor the adapter marks `zero_when_absent` (an MoE router's selection bias) is left out of an export when it
+is zero and read as zeros from a folder without it.
 `export_hf` writes the weights, config.json and, given the run's tokenizer, its Hugging Face files, the BOS/EOS/PAD ids
 in config.json and a generation_config.json: a folder that `transformers` loads and turns into text.
 titan_dmuon/components/export.py streams a DCP checkpoint into it (scripts/convert_checkpoint.py,
@@ -52,6 +56,19 @@ class StateDictAdapter(Protocol):
         rows can be read from the HF rows they come from (`_hf_rows` finds the map by converting row indices)."""
         ...
 
+    def stacked_hf_names(self, fqn: str) -> list[str] | None:
+        """Optional (an adapter without it has none): the HF tensors whose stack on a new dim 0 is `fqn` (MoE
+        experts: one HF matrix per expert, e.g. `model.layers.N.mlp.experts.{e}.gate_proj.weight`), None for a
+        tensor that is one HF tensor. A stacked tensor converts by name only (`to_hf`/`from_hf` leave it as it
+        is); a rank holding a block of it reads only the HF tensors of its slice of dim 0."""
+        ...
+
+    def zero_when_absent(self, fqn: str) -> bool:
+        """Optional (default False): True for a tensor that HF checkpoints may lack, meaning zeros (an MoE router's
+        selection bias, which the published models do not have): `export_hf` leaves it out when it is all zeros,
+        `load_hf_weights` fills zeros when the folder lacks it."""
+        ...
+
     def to_hf(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def from_hf(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -61,6 +78,18 @@ class StateDictAdapter(Protocol):
     def check_hf_config(self, config: dict[str, Any]) -> None:
         """ValueError when a folder's config.json describes a model the conversion would get wrong."""
         ...
+
+
+def _stacked(adapter: StateDictAdapter, fqn: str) -> list[str] | None:
+    """`adapter.stacked_hf_names(fqn)`, None for an adapter without the method."""
+    names = getattr(adapter, "stacked_hf_names", None)
+    return names(fqn) if names is not None else None
+
+
+def _zero_when_absent(adapter: StateDictAdapter, fqn: str) -> bool:
+    """`adapter.zero_when_absent(fqn)`, False for an adapter without the method."""
+    optional = getattr(adapter, "zero_when_absent", None)
+    return bool(optional(fqn)) if optional is not None else False
 
 
 def _safetensors():
@@ -163,15 +192,23 @@ def export_hf(
                 f"export_hf takes full tensors, got a DTensor for {fqn!r}: gather it first "
                 "(dmuon.get_model_state_dict) or convert a DCP checkpoint with scripts/convert_checkpoint.py"
             )
+        if _zero_when_absent(adapter, fqn) and not tensor.any():
+            continue  # zeros: what a folder without it means
         hf = adapter.to_hf(fqn, tensor.detach().cpu())
         hf = (hf.to(dtype) if dtype is not None else hf).contiguous()
         out_dtype = hf.dtype if out_dtype is None else out_dtype
-        nbytes = hf.numel() * hf.element_size()
-        if pending and pending_bytes + nbytes > max_shard_bytes:
-            flush()
-        pending[adapter.to_hf_name(fqn)] = hf
-        pending_bytes += nbytes
-        total_bytes += nbytes
+        names = _stacked(adapter, fqn)
+        if names is not None and len(names) != hf.shape[0]:
+            raise ValueError(f"{fqn} stacks {hf.shape[0]} tensors but the adapter names {len(names)}")
+        # a stacked tensor's pieces are copies: safetensors refuses tensors that share storage
+        pieces = [(adapter.to_hf_name(fqn), hf)] if names is None else zip(names, (t.clone() for t in hf), strict=True)
+        for name, piece in pieces:
+            nbytes = piece.numel() * piece.element_size()
+            if pending and pending_bytes + nbytes > max_shard_bytes:
+                flush()
+            pending[name] = piece
+            pending_bytes += nbytes
+            total_bytes += nbytes
     if pending or not written:
         flush()
 
@@ -258,8 +295,19 @@ def load_hf_weights(model_sd: dict[str, torch.Tensor], folder: str | os.PathLike
         raise ValueError(f"{folder}: {e}: the model config (flavor) does not match {config_path}") from None
     tied = bool(config.get("tie_word_embeddings", False))
 
-    sources, missing = {}, []
+    sources: dict[str, str | list[str] | None] = {}
+    missing = []
     for fqn in model_sd:
+        if _zero_when_absent(adapter, fqn) and adapter.to_hf_name(fqn) not in weight_map:
+            sources[fqn] = None  # zeros
+            continue
+        stacked = _stacked(adapter, fqn)
+        if stacked is not None:
+            absent = [n for n in stacked if n not in weight_map]
+            if absent:
+                missing.append(f"{fqn} ({absent[0]}{' ...' if len(absent) > 1 else ''})")
+            sources[fqn] = stacked
+            continue
         name = adapter.to_hf_name(fqn)
         if name not in weight_map and tied:
             name = adapter.tied_hf_name(fqn) or name
@@ -274,12 +322,21 @@ def load_hf_weights(model_sd: dict[str, torch.Tensor], folder: str | os.PathLike
 
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
-        for fqn, template in model_sd.items():
-            name = sources[fqn]
+
+        def handle(name: str):
             path = weight_map[name]
             if path not in handles:
                 handles[path] = stack.enter_context(st.safe_open(str(path), framework="pt"))
-            _fill(template, handles[path], name, fqn, adapter, folder)
+            return handles[path]
+
+        for fqn, template in model_sd.items():
+            name = sources[fqn]
+            if name is None:
+                (template.to_local() if isinstance(template, DTensor) else template).zero_()
+            elif isinstance(name, list):
+                _fill_stacked(template, {n: handle(n) for n in name}, name, fqn, folder)
+            else:
+                _fill(template, handle(name), name, fqn, adapter, folder)
 
 
 def _fill(template: torch.Tensor, f, name: str, fqn: str, adapter: StateDictAdapter, folder: Path) -> None:
@@ -314,6 +371,41 @@ def _fill(template: torch.Tensor, f, name: str, fqn: str, adapter: StateDictAdap
         local.copy_(_read_rows(f.get_slice(name), rows, region[1:]))
     else:
         local.copy_(f.get_slice(name)[region])
+
+
+def _fill_stacked(template: torch.Tensor, files: dict[str, Any], names: list[str], fqn: str, folder: Path) -> None:
+    """Copy this rank's share of the stack (dim 0) of HF tensors `names` (file handle of each in `files`) into
+    `template` (our `fqn`): a DTensor block reads only the HF tensors of its dim-0 slice, and of each only its
+    block of the other dims."""
+    if len(names) != template.shape[0]:
+        raise ValueError(f"{fqn} stacks {template.shape[0]} tensors but the adapter names {len(names)}")
+    block = isinstance(template, DTensor) and _is_block(template.placements)
+    if block:
+        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
+        names = names[offset[0] : offset[0] + shape[0]]
+    for name in names:
+        hf_shape = tuple(files[name].get_slice(name).get_shape())
+        if hf_shape != tuple(template.shape[1:]):
+            raise ValueError(
+                f"{folder}: {name} (a slice of our {fqn}) has shape {list(hf_shape)} but the model's slices are "
+                f"{list(template.shape[1:])}: the model config (flavor) does not match {folder / CONFIG_NAME}"
+            )
+    if not isinstance(template, DTensor):
+        for i, name in enumerate(names):
+            template[i].copy_(files[name].get_tensor(name))
+        return
+    local = template.to_local()
+    if not block:
+        full = torch.stack([files[n].get_tensor(n) for n in names])
+        local.copy_(distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None).to_local())
+        return
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"{fqn}: local shard shape {tuple(local.shape)} != computed {shape}")
+    if local.numel() == 0:
+        return
+    rest = tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))
+    for i, name in enumerate(names):
+        local[i].copy_(files[name].get_slice(name)[rest])
 
 
 def _hf_rows(adapter: StateDictAdapter, fqn: str, n_rows: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -98,14 +99,19 @@ def _draw(init: ParamInit, shape: tuple[int, int], generator: torch.Generator, d
 
 
 def _as_2d(full_shape: Sequence[int], index: Sequence[torch.Tensor]) -> tuple[tuple[int, int], list[torch.Tensor]]:
-    """A tensor of any rank as (rows, cols) with its index per dim: 2D as it is, 1D as one row of tiles."""
+    """A tensor of any rank as (rows, cols) with its index per dim: 2D as it is, 1D as one row of tiles, 3D and up
+    as the 2D matrix of its leading dims flattened into rows (a stack of matrices, e.g. MoE experts [E, out, in]:
+    the row index of entry (e, r) is e * out + r, so a shard of whole matrices or of rows draws the same values)."""
     if len(full_shape) == 2:
         return (int(full_shape[0]), int(full_shape[1])), list(index)
     if len(full_shape) == 1:
         return (1, int(full_shape[0])), [torch.zeros(1, dtype=torch.long, device=index[0].device), index[0]]
     if len(full_shape) == 0:
         return (1, 1), [torch.zeros(1, dtype=torch.long)] * 2
-    raise ValueError(f"topology-invariant init handles 0D, 1D and 2D parameters, got shape {tuple(full_shape)}")
+    rows = index[0]
+    for size, ix in zip(full_shape[1:-1], index[1:-1], strict=True):
+        rows = (rows.unsqueeze(1) * int(size) + ix.unsqueeze(0)).flatten()
+    return (math.prod(int(n) for n in full_shape[:-1]), int(full_shape[-1])), [rows, index[-1]]
 
 
 @torch.no_grad()
@@ -120,7 +126,7 @@ def fill_(
     if out.numel() == 0:
         return out
     (rows, cols), (ri, ci) = _as_2d(full_shape, index)
-    tr, tc = (TILE[0], TILE[1]) if len(full_shape) == 2 else (1, TILE[0] * TILE[1])
+    tr, tc = (TILE[0], TILE[1]) if len(full_shape) >= 2 else (1, TILE[0] * TILE[1])
     out2 = out.view(len(ri), len(ci))
     device = out.device
     ri, ci = ri.to("cpu"), ci.to("cpu")

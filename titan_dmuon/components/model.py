@@ -88,6 +88,14 @@ class ModelSpec:
     """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
     the HF config.json (titan_dmuon/components/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and
     scripts/convert_checkpoint.py use it); None = the family has no HF counterpart."""
+    moe_stats: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
+    """`model` -> {"tokens_per_expert": int64 [n_moe_layers, E] counted on this rank since the last call,
+    "aux_loss": fp32 scalar, the mean over layers and micro-batches since the last call}, resetting the counters
+    (for the metrics, and the counts for `update_moe_bias`); None = the family has no mixture-of-experts."""
+    update_moe_bias: Callable[[nn.Module, torch.Tensor], None] | None = None
+    """`(model, global tokens_per_expert [n_moe_layers, E])` -> updates each MoE layer's auxiliary-loss-free
+    balancing bias (after each optimizer step; the counts summed over every rank first, so every rank moves its
+    bias alike); a no-op when the flavor's bias update rate is 0. None = the family has no mixture-of-experts."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -68,7 +68,8 @@ def _muon_params(model) -> list[str]:
 def test_spec_blocks_and_muon_matrices() -> None:
     spec = get_model_spec("qwen3")
     assert spec is SPEC and spec.apply_tp is qwen3.apply_tp and spec.loss_fn is cross_entropy_loss
-    assert set(spec.flavors) == {"debugmodel", "tinymodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"}
+    dense = {"debugmodel", "tinymodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"}
+    assert set(spec.flavors) == dense | {"debugmodel_moe", "tinymodel_moe", "30B-A3B", "235B-A22B"}
     with pytest.raises(ValueError, match=r"qwen3 has no flavor 'x'; its flavors: debugmodel, tinymodel, 0.6B"):
         check_flavor(spec, "x")
     for tie in (True, False):

@@ -1,6 +1,6 @@
-"""Qwen3 (dense) model family: flavors (the published Qwen3 0.6B to 32B sizes and two CPU-sized ones), builder, TP
-plan, activation estimate, Hugging Face adapter, and its ModelSpec (registered as "qwen3" when this package is
-imported)."""
+"""Qwen3 model family, dense and MoE: flavors (the published Qwen3 0.6B to 32B sizes, Qwen3-30B-A3B and
+Qwen3-235B-A22B, and CPU-sized ones of each kind), builder, TP plan, activation estimate, Hugging Face adapter, and
+its ModelSpec (registered as "qwen3" when this package is imported)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from titan_dmuon.models.llama3 import head_blocks  # the same FQNs and `args.hea
 
 from .memory import activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
+from .moe import MoE, moe_stats, set_aux_loss_scale, update_moe_bias
 from .state_dict_adapter import Qwen3StateDictAdapter
 from .tensor_parallel import apply_tp
 
@@ -35,6 +36,26 @@ def _published(dim: int, n_layers: int, n_heads: int, ffn: int, tie: bool) -> Mo
     )
 
 
+def _published_moe(dim: int, n_layers: int, n_heads: int, ffn: int, moe_ffn: int) -> ModelArgs:
+    """A published Qwen3-MoE size (Qwen/Qwen3-<size> config.json): 4 kv heads of 128, 128 experts of which 8 per
+    token with renormalized weights, every layer sparse, untied, RoPE theta 1e6, the Qwen vocabulary."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_dim=ffn,
+        vocab_size=QWEN3_VOCAB_SIZE,
+        rope_theta=1000000.0,
+        tie_embeddings=False,
+        num_experts=128,
+        top_k=8,
+        moe_hidden_dim=moe_ffn,
+        norm_topk_prob=True,
+    )
+
+
 qwen3_configs: dict[str, ModelArgs] = {
     # Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size). head_dim 64 with
     # 8 heads: the attention is 512 wide on a 256-wide residual stream, as Qwen3's is twice its dim.
@@ -53,6 +74,36 @@ qwen3_configs: dict[str, ModelArgs] = {
     "8B": _published(dim=4096, n_layers=36, n_heads=32, ffn=12288, tie=False),
     "14B": _published(dim=5120, n_layers=40, n_heads=40, ffn=17408, tie=False),
     "32B": _published(dim=5120, n_layers=64, n_heads=64, ffn=25600, tie=False),
+    # MoE: debugmodel's and tinymodel's attention with every feed-forward an MoE of 8 experts, 2 per token
+    # (tinymodel_moe: 4 CPU steps in seconds; 8 experts split over 2, 4 or 8 expert-parallel ranks).
+    "debugmodel_moe": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        ffn_hidden_dim=768,
+        tie_embeddings=True,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=128,
+    ),
+    "tinymodel_moe": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        ffn_hidden_dim=192,
+        tie_embeddings=True,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=32,
+    ),
+    # The published MoE sizes (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json); ffn is the
+    # intermediate_size a dense layer would have (mlp_only_layers is empty: none is).
+    "30B-A3B": _published_moe(dim=2048, n_layers=48, n_heads=32, ffn=6144, moe_ffn=768),
+    "235B-A22B": _published_moe(dim=4096, n_layers=94, n_heads=64, ffn=12288, moe_ffn=1536),
 }
 
 
@@ -73,7 +124,7 @@ def build_model(
     ``to_empty`` and ``init_weights`` (the seed of ``torch.manual_seed``), the weights a run with that seed
     starts from on any cluster shape.
 
-    ``vocab_size`` is required for "debugmodel" and "tinymodel"; ``overrides`` (e.g. ``max_seq_len=...``,
+    ``vocab_size`` is required for the debug and tiny flavors; ``overrides`` (e.g. ``max_seq_len=...``,
     ``tie_embeddings=False``) replace ModelArgs fields.
     """
     args = get_model_args(flavor, vocab_size, **overrides)
@@ -91,8 +142,14 @@ def blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
 
 
 # Muon takes the blocks' projection matrices only: never the q/k norms (1D), the block norms, the embedding, the
-# output head, or the matrix they share when tied (whose FQN is tok_embeddings.weight).
-MUON_PARAMS = r"^layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))\.weight$"
+# output head, or the matrix they share when tied (whose FQN is tok_embeddings.weight). MoE layers: the experts'
+# 3-D params (one matrix per expert), never the router's gate (AdamW): an E x dim matrix with E much smaller than
+# dim, whose orthogonalized update has E unit singular values, i.e. every expert's row moves by the same norm
+# however much or little its gradient says: a poor fit for a router.
+MUON_PARAMS = (
+    r"^layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))\.weight$"
+    r"|^layers\.\d+\.feed_forward\.experts\.(w1|w2|w3)$"
+)
 
 SPEC = register_model_spec(
     ModelSpec(
@@ -108,6 +165,8 @@ SPEC = register_model_spec(
         activation_estimate=activation_estimate,
         head_blocks=head_blocks,
         state_dict_adapter=Qwen3StateDictAdapter.from_model,
+        moe_stats=moe_stats,
+        update_moe_bias=update_moe_bias,
     )
 )
 
@@ -127,4 +186,8 @@ __all__ = [
     "MUON_PARAMS",
     "SPEC",
     "blocks",
+    "MoE",
+    "moe_stats",
+    "update_moe_bias",
+    "set_aux_loss_scale",
 ]

@@ -12,6 +12,10 @@ What differs from Llama 3 (`titan_dmuon/models/llama3/model.py`, whose RMSNorm, 
     Face saves a tied checkpoint (no `lm_head.weight`).
   * FFN width is a field (Qwen3's intermediate_size), RMSNorm eps 1e-6, no biases.
 
+Qwen3-MoE (`Qwen3MoeForCausalLM`) is the same model with `num_experts > 0`: a block's `feed_forward` is then the
+sparse `MoE` of moe.py (router + 3-D grouped experts) where HF's rule makes the layer sparse
+(`ModelArgs.is_moe_layer`), the dense FeedForward elsewhere (`mlp_only_layers`, `decoder_sparse_step`).
+
 The model is built on the meta device and parallelized there; each rank then materializes and initializes only
 its share from the per-FQN distributions of ``param_inits`` (titan_dmuon/components/initialization.py).
 """
@@ -28,6 +32,8 @@ from titan_dmuon.components.initialization import ParamInit, constant, init_para
 from titan_dmuon.components.kv_cache import KVCache, LayerCache, run_blocks
 from titan_dmuon.models.llama3.model import FeedForward, RMSNorm, precompute_rope
 
+from .moe import MoE, is_moe_layer, moe_layers
+
 
 @dataclass
 class ModelArgs:
@@ -43,10 +49,27 @@ class ModelArgs:
     max_seq_len: int = 2048  # length of the precomputed RoPE table; the trainer sets it to its seq_len
     tie_embeddings: bool = False  # the output head is the embedding matrix (one Parameter)
     depth_init: bool = True  # torchtitan: output-projection init std shrinks with the layer index
+    # Qwen3-MoE (HF Qwen3MoeConfig); num_experts 0 = dense. ffn_hidden_dim stays the width of the dense layers.
+    num_experts: int = 0
+    top_k: int = 2  # HF num_experts_per_tok
+    moe_hidden_dim: int = 0  # HF moe_intermediate_size: each expert's SwiGLU width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum 1
+    aux_loss_coef: float = 0.001  # HF router_aux_loss_coef: CE + coef * mean over MoE layers of the aux loss
+    decoder_sparse_step: int = 1  # a layer is sparse when (layer_id + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not one of these
+    bias_update_rate: float = 0.0  # aux-loss-free balancing (moe.py): the bias step per optimizer step; 0 = off
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id`'s feed-forward is the sparse MoE (HF's rule, moe.py `is_moe_layer`)."""
+        return is_moe_layer(layer_id, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def validate(self) -> None:
         if self.vocab_size <= 0:
@@ -55,6 +78,11 @@ class ModelArgs:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
+        if self.num_experts > 0:
+            if not 0 < self.top_k <= self.num_experts:
+                raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
+            if self.moe_hidden_dim <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("an MoE flavor needs moe_hidden_dim > 0 and decoder_sparse_step > 0")
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -116,7 +144,21 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.is_moe = args.is_moe_layer(layer_id)
+        self.feed_forward: FeedForward | MoE
+        if self.is_moe:
+            self.feed_forward = MoE(
+                args.dim,
+                args.moe_hidden_dim,
+                args.num_experts,
+                args.top_k,
+                norm_topk_prob=args.norm_topk_prob,
+                aux_loss_coef=args.aux_loss_coef,
+                n_moe_layers=args.n_moe_layers,
+                bias_update_rate=args.bias_update_rate,
+            )
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
@@ -127,8 +169,22 @@ class TransformerBlock(nn.Module):
 
     def param_inits(self) -> dict[str, ParamInit]:
         """This block's params (FQNs relative to the block): norms (q/k norms included) 1, the input projections
-        (wq wk wv w1) trunc_normal(0.02), the others (wo w2 w3) trunc_normal with the depth-scaled std."""
+        (wq wk wv w1) trunc_normal(0.02), the others (wo w2 w3) trunc_normal with the depth-scaled std. An MoE
+        block's router gate and experts as the dense FFN's matrices: gate and w1 0.02, w2 and w3 depth-scaled."""
         scaled = trunc_normal(self.weight_init_std)
+        if self.is_moe:
+            ffn = {
+                "feed_forward.router.gate.weight": trunc_normal(0.02),
+                "feed_forward.experts.w1": trunc_normal(0.02),
+                "feed_forward.experts.w2": scaled,
+                "feed_forward.experts.w3": scaled,
+            }
+        else:
+            ffn = {
+                "feed_forward.w1.weight": trunc_normal(0.02),
+                "feed_forward.w2.weight": scaled,
+                "feed_forward.w3.weight": scaled,
+            }
         return {
             "attention_norm.weight": constant(1.0),
             "ffn_norm.weight": constant(1.0),
@@ -136,9 +192,7 @@ class TransformerBlock(nn.Module):
             "attention.k_norm.weight": constant(1.0),
             **{f"attention.{w}.weight": trunc_normal(0.02) for w in ("wq", "wk", "wv")},
             "attention.wo.weight": scaled,
-            "feed_forward.w1.weight": trunc_normal(0.02),
-            "feed_forward.w2.weight": scaled,
-            "feed_forward.w3.weight": scaled,
+            **ffn,
         }
 
 
@@ -219,9 +273,15 @@ class Transformer(nn.Module):
         return inits
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Compute the buffers (the RoPE table) on `device`; they hold no parameters, so every rank computes all."""
+        """Compute the buffers on `device`: the RoPE table, and the MoE layers' aux-free biases and metric sums
+        (zeros); they hold no parameters, so every rank computes all."""
         with torch.device(device):
             self.rope_cache = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+            for moe in moe_layers(self):
+                moe.router.expert_bias = torch.zeros(moe.num_experts, dtype=torch.float32)
+                moe.tokens_per_expert = torch.zeros(moe.num_experts, dtype=torch.int64)
+                moe.aux_loss_sum = torch.zeros((), dtype=torch.float32)
+                moe.aux_loss_count = 0
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -233,16 +293,28 @@ class Transformer(nn.Module):
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Global parameter count, the tied matrix once (DTensor ``numel`` is global, so this holds after
-        TP/FSDP too). ``exclude_embedding`` leaves the embedding table out (a tied model's output head with it)."""
+        TP/FSDP too), every expert counted. ``exclude_embedding`` leaves the embedding table out (a tied model's
+        output head with it)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
+    def num_inactive_params(self) -> int:
+        """The expert params a token does not use: (E - top_k) / E of every MoE layer's experts."""
+        a = self.args
+        experts = sum(p.numel() for moe in moe_layers(self) for p in moe.experts.parameters())
+        return experts * (a.num_experts - a.top_k) // a.num_experts if a.num_experts else 0
+
+    def num_active_params(self) -> int:
+        """The params one token uses (the embedding included): all but the unselected experts."""
+        return self.num_params() - self.num_inactive_params()
+
     def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (torchtitan/PaLM convention): 6 * the matmul params (the blocks' and the output
-        head's, tied or not: the embedding lookup is no matmul) plus 12 * layers * heads * head_dim * seq_len for
-        attention scores/values."""
+        """Training FLOPs per token (torchtitan/PaLM convention): 6 * the matmul params a token uses (the blocks'
+        with only top_k of each MoE layer's experts and the router, and the output head's, tied or not: the
+        embedding lookup is no matmul) plus 12 * layers * heads * head_dim * seq_len for attention scores/values."""
         a = self.args
         matmul = self.num_params(exclude_embedding=True) + (self.output.weight.numel() if a.tie_embeddings else 0)
+        matmul -= self.num_inactive_params()
         return 6 * matmul + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 

@@ -14,6 +14,18 @@ It is Llama 3's plan (titan_dmuon/models/llama3/tensor_parallel.py) plus two thi
     [vocab, dim] weight on dim 0, the vocabulary: each TP rank holds the same vocab rows of both. Sharding makes
     one DTensor per module, so the plan ties them again to the embedding's (one Parameter, Shard(0) over TP);
     FSDP2 then shards that one Parameter's rows again over the data-parallel ranks (a _StridedShard over TP).
+
+MoE blocks (Qwen3-MoE, models/qwen3/moe.py): the attention is sharded as above; the MoE is not split over TP.
+With sequence parallelism each TP rank runs the MoE on its own chunk of the sequence: the module gets the local
+chunk (the local tensor of ffn_norm's `Shard(1)` DTensor) and returns that chunk's output, a plain tensor, as
+the row-parallel wo and w2 return their `Shard(1)` output (the residual stream between the norms is the local
+chunk). The experts stay plain
+tensors, whole on every TP rank (their grads, from different tokens per rank, are the optimizer's to sum over TP).
+The router's gate becomes a Replicate DTensor applied to the local tokens as a DTensor sharded on the token dim
+(`SequenceParallel(sequence_dim=0)` on its [tokens, dim] input), so its grad comes out partial over TP and is
+summed like a sequence-parallel norm's; and the MoE's `aux_group` is the TP group, over which the aux loss sums
+its expert counts (the ranks' shares add up to the aux loss of the group's whole sequence). Without sequence
+parallelism (generation) every rank holds the whole sequence and runs the MoE as one process would.
 """
 
 from __future__ import annotations
@@ -31,10 +43,28 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .moe import MoE
+
 logger = logging.getLogger(__name__)
 
 # q_norm / k_norm: a replicated weight on the local heads ([B, L, heads, head_dim], heads sharded over TP)
 _HEAD_NORM = SequenceParallel(sequence_dim=2, use_local_output=True)
+# an MoE under sequence parallelism: its own chunk of the sequence in (ffn_norm's Shard(1) DTensor, as the local
+# tensor); its output, that chunk's, joins the residual stream as a plain local tensor, as wo's and w2's do
+_MOE_CHUNK = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
+# the router's gate: a replicated weight on the local tokens ([tokens, dim], tokens sharded over TP)
+_ROUTER_GATE = SequenceParallel(sequence_dim=0, use_local_output=True)
+_DENSE_FFN = ("feed_forward", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def _block_plan(plan: dict, block: nn.Module, sequence_parallel: bool) -> dict:
+    """`plan` for a dense block; for an MoE block, its feed-forward entries replaced by the MoE's."""
+    if not isinstance(block.feed_forward, MoE):
+        return plan
+    plan = {k: v for k, v in plan.items() if k not in _DENSE_FFN}
+    if sequence_parallel:
+        plan.update({"feed_forward": _MOE_CHUNK, "feed_forward.router.gate": _ROUTER_GATE})
+    return plan
 
 
 def apply_tp(
@@ -108,7 +138,9 @@ def apply_tp(
             raise RuntimeError(f"tied weight sharded differently: {emb.placements} vs {out.placements}")
         model.output.weight = emb
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, _block_plan(block_plan, block, sequence_parallel))
+        if isinstance(block.feed_forward, MoE) and sequence_parallel:
+            block.feed_forward.aux_group = tp_mesh.get_group()
     logger.info(
         "Applied tensor parallel (degree %d, sequence_parallel=%s, loss_parallel=%s)",
         tp,

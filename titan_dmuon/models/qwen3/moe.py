@@ -1,0 +1,340 @@
+"""Qwen3-MoE's sparse feed-forward, as `transformers`' Qwen3MoeSparseMoeBlock computes it, without parallelism code.
+
+`MoE` routes each token to `top_k` of `num_experts` SwiGLU experts (`Router`: softmax in fp32, top-k, the top-k
+weights renormalized when `norm_topk_prob`) and sums the experts' outputs weighted by the routing weights. The
+experts' weights are 3-D parameters (`GroupedExperts.w1 w2 w3`, one slice per expert), so expert parallelism can
+shard them on dim 0 and run them as one grouped matmul.
+
+The tokens reach the experts through a dispatcher (a plain attribute, `MoE.dispatcher`):
+
+    rows, local_counts = dispatcher.dispatch(rows, counts)   # rows [n, dim] sorted by global expert id,
+                                                             # counts int64 [E] -> this rank's experts' rows,
+                                                             # sorted by local expert, counts int64 [E_local]
+    out = dispatcher.combine(experts(rows, local_counts))    # back in the order dispatch got them
+
+`LocalDispatcher` (the identity) is the default; titan_dmuon/parallel/expert_parallel.py swaps in one that
+exchanges the rows over an expert-parallel mesh, on which the experts' params are DTensors Shard(0).
+
+Load balancing, two ways (both per MoE layer):
+  * the auxiliary loss `E * sum_e f_e P_e` (Switch Transformer's; f_e: the share of (token, slot) pairs routed to
+    expert e per token, P_e: the mean router probability of e). Its gradient is injected inside the graph
+    (`_AddAuxLoss` on the MoE output), so it reaches the router under any activation checkpointing (reentrant
+    checkpointing runs the first forward under no_grad and recomputes in backward: a loss kept in an attribute
+    would miss the graph). The objective is CE + aux_loss_coef * mean over the MoE layers of aux.
+  * auxiliary-loss-free balancing (DeepSeek-V3's): a per-expert bias added to the router scores for the top-k
+    selection only (never to the weights), moved after each optimizer step by `rate * sign(mean load - load)`
+    (`MoE.update_bias`, `update_moe_bias`).
+
+`moe_stats` and `update_moe_bias` are the ModelSpec hooks the trainer calls (titan_dmuon/components/model.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A param's local tensor: `.to_local()` of a DTensor (expert parallelism shards the experts on dim 0, so the
+    local tensor holds this rank's experts only), the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _recomputing() -> bool:
+    """True while autograd's engine runs (an activation-checkpoint recompute in backward): the forward's side
+    effects (the metric counters) must not count twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """Top-k router (HF's Qwen3MoeTopKRouter): `gate` logits, softmax over the experts in fp32, the top-k
+    experts, their probabilities renormalized to sum 1 when `norm_topk_prob`, cast back to the input dtype.
+
+    The persistent fp32 buffer `expert_bias` [E] (aux-loss-free balancing; zero, so HF's selection, unless
+    `MoE.update_bias` moved it) is added to the probabilities for the top-k selection only: the weights stay the
+    selected experts' probabilities. It is a buffer of every MoE (saved in checkpoints, set to zero by the
+    model's `init_buffers`), so a flavor's state dict does not depend on its bias update rate."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [n, dim]`` -> (probs fp32 [n, E], weights [n, top_k] in x's dtype, expert ids int64 [n, top_k])."""
+        logits = self.gate(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        _, ids = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1)
+        top = probs.gather(-1, ids)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return probs, top.to(logits.dtype), ids
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Where `torch._grouped_mm` runs the experts: CUDA, bf16, compute capability >= 9.0, every row stride a
+    multiple of 16 bytes (dim and hidden multiples of 8)."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    if any(w.dtype != torch.bfloat16 for w in weights) or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
+
+
+def experts_grouped_mm(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts as three grouped matmuls (rows of expert e: offsets[e-1]..offsets[e]); no host sync."""
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def experts_loop(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts one at a time over ``torch.split(x, counts)``, skipping experts without rows. With no row
+    at all it still runs expert 0 on the empty input, so the output stays in the graph of x and the weights
+    (an expert-parallel combine's backward must run on every rank)."""
+    pieces = torch.split(x, counts.tolist())
+    busy = [e for e, p in enumerate(pieces) if p.shape[0]] or [0]
+    outs = [(F.silu(pieces[e] @ w1[e].T) * (pieces[e] @ w3[e].T)) @ w2[e].T for e in busy]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts as 3-D params: `w1` [E, hidden, dim] (HF gate_proj), `w3` [E, hidden, dim]
+    (up_proj), `w2` [E, dim, hidden] (down_proj); expert e computes w2[e] (silu(w1[e] x) * w3[e] x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x [n, dim]`` rows sorted by local expert, ``counts`` int64 [E_local] rows per expert (summing to n)
+        -> ``[n, dim]``. The weights are the local tensors (this rank's experts under expert parallelism)."""
+        w1, w2, w3 = (local_tensor(p) for p in (self.w1, self.w2, self.w3))
+        if counts.shape[0] != w1.shape[0]:
+            raise ValueError(f"{counts.shape[0]} expert counts for {w1.shape[0]} local experts")
+        if grouped_mm_supported(x, w1, w2, w3):
+            return experts_grouped_mm(x, counts, w1, w2, w3)
+        return experts_loop(x, counts, w1, w2, w3)
+
+
+class LocalDispatcher:
+    """The identity dispatcher (every expert on this rank). See the module docstring for the protocol an
+    expert-parallel dispatcher implements."""
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows, counts
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; in backward, gives `aux` the gradient `grad_scale` (d objective / d aux), so the
+    auxiliary loss is part of the objective without being returned."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        dtype, device = ctx.aux_meta
+        grad_aux = torch.full((), ctx.grad_scale, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
+        return grad_out, grad_aux, None
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse block: `router`, `experts`, and `dispatcher` (a plain attribute, `LocalDispatcher`
+    by default).
+
+    Plain attributes the trainer / the TP plan set:
+      * `aux_loss_scale` (default 1.0): multiplies the aux loss's gradient (the trainer sets
+        1 / gradient_accumulation_steps, as it scales the CE loss);
+      * `aux_group` (default None): the process group holding the rest of the sequence (TP with sequence
+        parallelism, set by tensor_parallel.apply_tp): the routed counts are summed over it, so the aux loss of
+        the group's whole sequence is the sum of the ranks' shares.
+    Each forward in training mode (not an activation-checkpoint recompute) adds, detached and on the device, to
+    running sums that `read_stats` reads and resets: `tokens_per_expert` (non-persistent buffer, int64 [E], from
+    this rank's global expert ids, before dispatch), `aux_loss_sum` (non-persistent buffer, fp32 scalar: the aux
+    loss of the TP group's sequence) and `aux_loss_count` (the forwards, a plain int).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        aux_loss_coef: float = 0.0,
+        n_moe_layers: int = 1,
+        bias_update_rate: float = 0.0,
+    ):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be in [1, num_experts ({num_experts})]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_loss_coef, self.n_moe_layers, self.bias_update_rate = aux_loss_coef, n_moe_layers, bias_update_rate
+        self.router = Router(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.dispatcher = LocalDispatcher()
+        self.aux_loss_scale = 1.0
+        self.aux_group: dist.ProcessGroup | None = None
+        # the metrics' running sums since the last read_stats: buffers (not state), so they move with the module
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.aux_loss_count = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, dim]`` -> ``[B, T, dim]``: each token's experts' outputs, weighted by its routing weights."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, weights, ids = self.router(flat)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs by expert id, token order within
+        # rows per expert (a static-shape scatter, which compile traces, rather than bincount)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        rows, local_counts = self.dispatcher.dispatch(flat[order // self.top_k], counts)
+        out = self.dispatcher.combine(self.experts(rows, local_counts))
+        # back to (token, slot) order, then each token's weighted sum over its slots: a gather and a sum rather
+        # than an index_add_ into the tokens (which would keep its weighted source for backward, and accumulates
+        # in no fixed order on GPU)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = out[inverse].view(flat.shape[0], self.top_k, -1)
+        y = (out * weights.unsqueeze(-1)).sum(dim=1).to(flat.dtype)
+        aux, aux_value = self._aux_loss(probs, counts)
+        self._record(counts, aux_value)
+        if self.aux_loss_coef > 0:
+            grad_scale = self.aux_loss_coef * self.aux_loss_scale / self.n_moe_layers
+            y = _AddAuxLoss.apply(y, aux, grad_scale)
+        return y.view(shape)
+
+    def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's share of the aux loss, with grad; the whole sequence's aux value, detached).
+
+        aux = E * sum_e f_e P_e with f_e = pairs routed to e / tokens and P_e = mean probability of e over the
+        tokens: the per-layer form of HF's `load_balancing_loss_func` (which pools the counts and probabilities
+        of every layer before the product). Under `aux_group` the counts, the probability sums and the token
+        count are summed over the group (no grad) and each rank's share is E * sum_e f_e * (its probability sum
+        of e) / tokens: the shares sum to the aux of the group's whole sequence."""
+        e = self.num_experts
+        psum = probs.sum(dim=0)
+        stats = torch.cat([counts.float(), psum.detach(), psum.new_full((1,), probs.shape[0])])
+        if self.aux_group is not None:
+            dist.all_reduce(stats, group=self.aux_group)
+        f = stats[:e] / stats[-1]
+        aux = e * (f * psum).sum() / stats[-1]
+        return aux, e * (f * stats[e:-1]).sum() / stats[-1]
+
+    @torch.compiler.disable  # host-side bookkeeping (a Python counter, the recompute check): not traced
+    @torch.no_grad()
+    def _record(self, counts: torch.Tensor, aux_value: torch.Tensor) -> None:
+        """Add one forward to the metric sums: in training mode only, and not in a checkpoint's recompute."""
+        if not self.training or _recomputing():
+            return
+        self.tokens_per_expert += counts
+        self.aux_loss_sum += aux_value
+        self.aux_loss_count += 1
+
+    @torch.no_grad()
+    def read_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per expert int64 [E], the mean aux loss fp32 scalar) since the last call (zeros when no training
+        forward ran), and reset the running sums."""
+        tokens = self.tokens_per_expert.clone()
+        aux = self.aux_loss_sum.float() / max(self.aux_loss_count, 1)
+        self.reset_stats()
+        return tokens, aux
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self.aux_loss_count = 0
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Aux-loss-free balancing step: `expert_bias += rate * sign(mean(counts) - counts)`, raising the bias of
+        the experts that got fewer tokens than the mean. `counts` [E] must be the same on every rank (the caller
+        all-reduces them first, e.g. `update_bias(global_counts)`), so the bias stays the same everywhere. A no-op
+        when `bias_update_rate` is 0."""
+        if self.bias_update_rate == 0:
+            return
+        bias = self.router.expert_bias
+        load = counts.to(device=bias.device, dtype=torch.float32)
+        bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE modules, in registration (forward) order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_stats(model: nn.Module) -> dict[str, torch.Tensor]:
+    """ModelSpec.moe_stats: {"tokens_per_expert": int64 [n_moe_layers, E] counted on this rank since the last call,
+    "aux_loss": fp32 scalar, the mean over layers and micro-batches since the last call}, resetting the counters.
+    A model without MoE layers gives an empty [0, 0] count and a zero aux loss."""
+    layers = moe_layers(model)
+    if not layers:
+        return {"tokens_per_expert": torch.zeros(0, 0, dtype=torch.int64), "aux_loss": torch.zeros(())}
+    forwards = [layer.aux_loss_count for layer in layers]
+    stats = [layer.read_stats() for layer in layers]
+    tokens = torch.stack([t for t, _ in stats])
+    aux = torch.stack([a * n for (_, a), n in zip(stats, forwards, strict=True)]).sum() / max(sum(forwards), 1)
+    return {"tokens_per_expert": tokens, "aux_loss": aux.float()}
+
+
+def update_moe_bias(model: nn.Module, tokens_per_expert: torch.Tensor) -> None:
+    """ModelSpec.update_moe_bias: each MoE layer's aux-free bias step from the global (all-reduced over every
+    rank that routes tokens) ``tokens_per_expert`` [n_moe_layers, E]; a no-op when bias_update_rate is 0."""
+    layers = moe_layers(model)
+    if len(layers) != tokens_per_expert.shape[0]:
+        raise ValueError(f"{tokens_per_expert.shape[0]} rows of counts for {len(layers)} MoE layers")
+    for layer, counts in zip(layers, tokens_per_expert, strict=True):
+        layer.update_bias(counts)
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Set every MoE layer's `aux_loss_scale` (the trainer: 1 / gradient_accumulation_steps)."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = scale
+
+
+def is_moe_layer(layer_id: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: Sequence[int]) -> bool:
+    """HF's rule (Qwen3MoeDecoderLayer): sparse iff there are experts, the layer is not in mlp_only_layers and
+    (layer_id + 1) is a multiple of decoder_sparse_step."""
+    return num_experts > 0 and layer_id not in mlp_only_layers and (layer_id + 1) % decoder_sparse_step == 0
+
+
+__all__ = [
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "Router",
+    "experts_grouped_mm",
+    "experts_loop",
+    "grouped_mm_supported",
+    "is_moe_layer",
+    "local_tensor",
+    "moe_layers",
+    "moe_stats",
+    "set_aux_loss_scale",
+    "update_moe_bias",
+]
