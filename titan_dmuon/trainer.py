@@ -155,6 +155,12 @@ class Trainer:
         #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
         #     starts from the same weights on any cluster shape (titan_dmuon/components/initialization.py).
         materialize(self.model, self.spec, self.optimizer_component, self.device, self.seed)
+        #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
+        #     checkpointing): scaled as the loss is, by 1 / accumulation steps.
+        for module in self.model.modules():
+            if hasattr(module, "aux_loss_scale"):
+                module.aux_loss_scale = 1.0 / t.gradient_accumulation_steps
+        self._moe_scalars: dict[str, float] = {}
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optimizer_component.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -297,7 +303,33 @@ class Trainer:
             )
         self.optimizer.step()
         self.lr_scheduler.step()
+        if self.spec.moe_stats is not None:
+            self._moe_scalars = self._moe_after_step()
         return loss_value, norm_value, ntokens
+
+    def _moe_after_step(self) -> dict[str, float]:
+        """A Mixture-of-Experts model's step: every rank's tokens per expert summed (one all-reduce of the
+        [MoE layers, experts] counts; each rank counts the tokens it routed, before expert parallelism moves
+        them), the auxiliary-loss-free bias update from those global counts (the same on every rank), and the
+        metrics: the auxiliary loss (mean over ranks) and the most and least loaded expert of any layer, as a
+        fraction of the mean load (1 = balanced). Tokens are never dropped (no capacity limit)."""
+        stats = self.spec.moe_stats(self.model)
+        counts = stats["tokens_per_expert"].to(self.device, torch.float64)
+        if counts.numel() == 0:
+            return {}
+        aux = stats["aux_loss"].to(self.device, torch.float64).reshape(1)
+        flat = torch.cat([counts.flatten(), aux])
+        dist.all_reduce(flat)
+        counts = flat[:-1].view_as(counts)
+        if self.spec.update_moe_bias is not None:
+            self.spec.update_moe_bias(self.model, counts)
+        mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
+        load = counts / mean
+        return {
+            "moe/aux_loss": float(flat[-1]) / self.world_size,
+            "moe/max_load": float(load.max()),
+            "moe/min_load": float(load.min()),
+        }
 
     # -------------------------------------------------------------------------------------------- loop
     def train(self) -> None:
@@ -352,6 +384,7 @@ class Trainer:
                         )
                     )
                     scalars.update(device_memory_stats(self.device))
+                    scalars.update(self._moe_scalars)
                     # Over ranks: one small collective, on log steps only.
                     scalars.update(self.optimizer_component.step_stats())
                     interval_tokens = 0

@@ -14,13 +14,17 @@ from torch.distributed.tensor import DTensor
 from .state import state_of, unwrap
 
 
-def _dtensor_sq_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of DTensor grads, exact for any placement (FSDP2's `_StridedShard` over TP included):
-    DTensor's own norm per mesh, materialized with `full_tensor()`."""
+def grads_sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of grads, exact for any placement (FSDP2's `_StridedShard` over TP included): DTensor's own
+    norm per mesh (expert stacks live on another mesh than the dense params), materialized with `full_tensor()`;
+    plain grads count as they are (replicated ones once: each rank has the same)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     by_mesh: dict[int, list[DTensor]] = {}
     for g in grads:
-        by_mesh.setdefault(id(g.device_mesh), []).append(g)
+        if isinstance(g, DTensor):
+            by_mesh.setdefault(id(g.device_mesh), []).append(g)
+        else:
+            total = total + g.float().pow(2).sum().to(device)
     for same_mesh in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -48,25 +52,23 @@ def clip_grad_norm_(
         ded_sq += g.float().pow(2).sum()
     dist.all_reduce(ded_sq)
     others = [p.grad for p in model.parameters() if p not in state.by_param and p.grad is not None]
-    dt = [g for g in others if isinstance(g, DTensor)]
-    plain = [g for g in others if not isinstance(g, DTensor)]
-    total_sq = ded_sq + _dtensor_sq_norm(dt, device)
-    for g in plain:
-        total_sq += g.float().pow(2).sum()
-    total = total_sq.sqrt()
+    total = (ded_sq + grads_sq_norm(others, device)).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    # A DTensor grad is scaled through its local tensor, right for every placement: Shard / _StridedShard /
-    # Replicate hold parts or copies of the grad, and a Partial one (a sum or an average of the ranks' locals)
-    # scales with each local once. The coefficient stays fp32 (torch's clip_grads_with_norm_ does the same).
-    _scale_(owned + [g.to_local() if isinstance(g, DTensor) else g for g in others], coef)
+    scale_grads_(owned + others, coef)
     return total
 
 
-def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply every tensor in place by the 0-dim tensor `coef`: one foreach call per device, no host sync
-    (on the device `coef` lives on; a grad offloaded to the CPU takes one copy of it)."""
+def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every grad in place by the 0-dim tensor `coef`: one foreach call per device, no host sync
+    (on the device `coef` lives on; a grad offloaded to the CPU takes one copy of it).
+
+    A DTensor grad is scaled through its local tensor, right for every placement and whatever its mesh: Shard /
+    _StridedShard / Replicate hold parts or copies of the grad, and a Partial one (a sum or an average of the
+    ranks' locals) scales with each local once. The coefficient stays fp32 (torch's clip_grads_with_norm_ does
+    the same)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
         by_device.setdefault(t.device, []).append(t)
     for device, same_device in by_device.items():
         torch._foreach_mul_(same_device, coef.to(device))

@@ -13,6 +13,7 @@ reduce and publish cross nodes. `parallelism.data_parallel_replicate_degree = "n
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from titan_dmuon.config import ConfigError
 
-from .parallel_dims import MESH_DIM_NAMES, ParallelDims
+from .parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,29 @@ def node_names(places: Sequence[RankPlace]) -> list[str]:
 
 
 def mesh_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
-    """The global ranks of every group along one mesh axis ("replicate", "shard" or "tp"), as build_mesh lays them
-    out (row-major over (replicate, shard, tp)), in order of their first rank."""
-    sizes = (dims.dp_replicate, dims.dp_shard, dims.tp)
-    strides = (dims.dp_shard * dims.tp, dims.tp, 1)
-    a = MESH_DIM_NAMES.index(axis)
-    starts = sorted({r - (r // strides[a] % sizes[a]) * strides[a] for r in range(dims.world_size)})
-    return [[s + i * strides[a] for i in range(sizes[a])] for s in starts]
+    """The global ranks of every group along one mesh axis ("replicate", "shard", "tp", and under expert
+    parallelism "ep" and "efsdp", the shard ranks that hold the same experts), as build_mesh lays them out
+    (row-major over (replicate, efsdp, ep, tp): the same ranks as (replicate, shard, tp), shard = efsdp x ep),
+    in order of their first rank."""
+    sizes = {"replicate": dims.dp_replicate, "efsdp": dims.efsdp, "ep": dims.ep, "tp": dims.tp}
+    order = ("replicate", "efsdp", "ep", "tp")
+    varying = ("efsdp", "ep") if axis == "shard" else (axis,)
+    fixed = [a for a in order if a not in varying]
+
+    def rank(c: dict[str, int]) -> int:
+        r = 0
+        for a in order:
+            r = r * sizes[a] + c[a]
+        return r
+
+    groups = []
+    for f in itertools.product(*(range(sizes[a]) for a in fixed)):
+        coords = [
+            dict(zip(fixed, f, strict=True)) | dict(zip(varying, v, strict=True))
+            for v in itertools.product(*(range(sizes[a]) for a in varying))
+        ]
+        groups.append([rank(c) for c in coords])
+    return sorted(groups)
 
 
 def check_node_layout(dims: ParallelDims, places: Sequence[RankPlace]) -> None:
@@ -95,12 +112,13 @@ def describe_layout(dims: ParallelDims, hosts: Sequence[str], max_items: int = 3
     for rank, host in enumerate(hosts):
         nodes.setdefault(host, []).append(rank)
     per_node = "/".join(str(n) for n in sorted({len(r) for r in nodes.values()}))
+    ep = f", shard = (efsdp {dims.efsdp} x ep {dims.ep})" if dims.ep_enabled else ""
     lines = [
         f"Layout: {dims.world_size} ranks on {len(nodes)} node(s) of {per_node} ranks; mesh (replicate, shard, tp) = "
-        f"({dims.dp_replicate}, {dims.dp_shard}, {dims.tp}), row-major",
+        f"({dims.dp_replicate}, {dims.dp_shard}, {dims.tp}){ep}, row-major",
         "  nodes: " + _first([f"{h} = ranks {_ranks(r)}" for h, r in nodes.items()], max_items),
     ]
-    for axis in ("shard", "replicate", "tp"):
+    for axis in ("shard", "replicate", "tp", *(("ep", "efsdp") if dims.ep_enabled else ())):
         groups = mesh_groups(dims, axis)
         if len(groups[0]) == 1:
             continue

@@ -211,6 +211,8 @@ def apply_fsdp(
             # an expert's grad on its EP rank already sums every rank's tokens: divide by all DP ranks, not the
             # expert-DP ranks FSDP2 reduces over
             experts.set_gradient_divide_factor(float(dims.dp_world_size))
+            if mesh.device_type != "cuda":  # gloo has no PREMUL_SUM: sum, then divide
+                experts.set_force_sum_reduction_for_comms(True)
     for block in units:
         fully_shard(
             block, mesh=fsdp_mesh, mp_policy=block_mp, reshard_after_forward=mode != "never", ignored_params=ignored

@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from titan_dmuon.config import ConfigError, JobConfig
 
@@ -156,11 +155,12 @@ class OptimizerComponent:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every grad so that the global L2 norm is at most `max_norm`; returns the norm before, the same
         value on every rank."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(total, DTensor):  # FSDP2/TP grads: a partial norm over the mesh -> the global value
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        from titan_dmuon.dmuon.clip import grads_sq_norm, scale_grads_
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        total = grads_sq_norm(grads, device).sqrt()  # FSDP2/TP/EP DTensors, each mesh on its own
+        scale_grads_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     def step_stats(self) -> dict[str, float]:

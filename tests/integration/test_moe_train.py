@@ -1,0 +1,70 @@
+"""Qwen3-MoE through train.py as users launch it: train_configs/qwen3_moe_debug.toml with the tinymodel_moe flavor
+on 4 ranks with expert parallelism 2 (torchrun), dmuon against muon_naive, and the MoE metrics in TensorBoard.
+
+Both runs train the same model on the same global batch (4 DP ranks x 2 sequences of 32 tokens): dmuon owns each
+expert stack's EP shard on one rank of its expert-data-parallel pair and orthogonalizes its experts there,
+muon_naive all-gathers every expert grad and orthogonalizes every expert on every rank; the update rule is the same,
+so their losses and grad norms agree to 1e-5 (their correctness against an independent reference is
+tests/distributed/test_moe_layouts.py's).
+
+A third run saves a checkpoint at step 3 on those 4 ranks; resumed on the same layout its steps 4-6 are bitwise the
+straight dmuon run's (which never saved), and resumed on 2 ranks without expert parallelism (each rank every expert,
+local batch 4: the same global batch) its steps 4 and 5 are, to 1e-5. The lr schedule does not depend on the run's
+length (no decay), so a 3-step run trains its steps as the 6-step ones do.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.train_runs import assert_same_run, read_scalars, run_train, tail, tiny_train_argv
+
+STEPS = 6
+MOE = ["--model.name", "qwen3", "--model.flavor", "tinymodel_moe", "--training.steps", str(STEPS)]
+MOE += ["--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+EP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
+
+
+def _train(dump, *extra: str, nproc: int = 4) -> dict[str, dict[int, float]]:
+    argv = tiny_train_argv(dump, *MOE, *extra, tensorboard=True, config="train_configs/qwen3_moe_debug.toml")
+    proc = run_train(nproc, argv, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    return read_scalars(dump / "tb")
+
+
+@pytest.mark.slow
+def test_ep2_dmuon_matches_muon_naive_logs_moe_metrics_and_resumes_without_ep(tmp_path) -> None:
+    dmuon = _train(tmp_path / "dmuon", *EP2)
+    naive = _train(tmp_path / "naive", *EP2, "--optimizer.name", "muon_naive")
+    assert_same_run(dmuon, naive, rtol=1e-5)
+    for s in (dmuon, naive):
+        assert set(s["moe/aux_loss"]) == set(range(1, STEPS + 1))
+        for step in range(1, STEPS + 1):
+            assert 0.5 < s["moe/aux_loss"][step] < 8  # E * sum f_e P_e: top_k (=2) when balanced
+            assert s["moe/min_load"][step] <= 1 <= s["moe/max_load"][step]
+    # dmuon's expert stacks move over their expert-data-parallel pair: broadcasts and reduces, no TP gather
+    assert dmuon["dmuon/bytes_broadcast"][STEPS] > 0 and dmuon["dmuon/bytes_reduce"][STEPS] > 0
+    assert naive["muon_naive/bytes_all_gather"][STEPS] > 0
+
+    save = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    _train(tmp_path / "saver", *EP2, *save, "--training.steps", "3")
+    # the same layout: bitwise the straight run (which never saved) from step 4 on
+    same = _resume(tmp_path, "same", *EP2, *save)
+    # 2 ranks, no expert parallelism: the checkpoint reshards (every expert on every rank); steps 4 and 5 (the
+    # weights and the data position, then the optimizer state) to 1e-5: later steps drift apart as any two layouts do
+    other = _resume(tmp_path, "other", *save, "--training.local_batch_size", "4", nproc=2)
+    for tag in ("loss/train", "grad_norm"):
+        assert sorted(same[tag]) == sorted(other[tag]) == [4, 5, 6]
+        for step in (4, 5, 6):
+            assert same[tag][step] == dmuon[tag][step], (tag, step)
+        for step in (4, 5):
+            assert other[tag][step] == pytest.approx(dmuon[tag][step], rel=1e-5), (tag, step)
+
+
+def _resume(tmp_path, name: str, *extra: str, nproc: int = 4) -> dict[str, dict[int, float]]:
+    """A run in a folder that holds only the saver's step-3 checkpoint: it resumes there, to step 6."""
+    (tmp_path / name / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "saver" / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
+    return _train(tmp_path / name, *extra, nproc=nproc)
