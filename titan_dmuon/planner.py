@@ -12,12 +12,23 @@ mesh coordinate. Rank g sits at (replicate, shard, tp) = row-major coordinates o
 g // job.dry_run_gpus_per_node (as torchrun numbers ranks); `--job.dry_run_nodes M` plans M nodes of that many GPUs
 and the plan starts with the node layout the run's start-up log will show (titan_dmuon/parallel/layout.py).
 
+Expert parallelism (`parallelism.expert_parallel_degree` = E, MoE models): the mesh is (R, N / E, E, T) =
+(replicate, efsdp, ep, tp), the dense shard coordinate the flattened (efsdp, ep) one, as without EP (`Mesh`). Each
+rank holds its EP shard of every expert stack (P_E / E elements); DMuon owns the stacks over the expert axes (its
+`expert_mesh`: the G_e = N / E x T ranks of an expert shard group, coordinate efsdp x T + tp, replicate as the dense
+matrices, "tp" the EP index), so an owner's fp32 masters, momentum and reduced grad of a stack are its EP shard's, on
+the EP ranks of its expert column; its ledger kinds (broadcast, reduce, replicate_*) are over G_e, not N, and land
+in the same kinds; its NS runs on each of its owner's E EP ranks (their own experts, no TP gather or scatter). The MoE
+layers' token all-to-all is printed apart (`expert_parallel.all_to_all_bytes`, uniform routing: it is the model's,
+the same under every optimizer); the naive FSDP2 + Muon and FSDP2 + AdamW figures shard the stacks over the G_e
+ranks of the expert FSDP mesh, as `apply_fsdp` does.
+
 Printed (and written to `job.dry_run_json`, with every rank's value): per-rank resident bytes (FSDP2 shards,
 DMuon fp32 masters, Muon momentum, AdamW moments, gradients), the DMuon packed-buffer transient peak and an
 activation estimate; the LPT plan (Newton-Schulz FLOPs per rank against a certified lower bound, owners per
 layer) and the owners' NS time at a given TFLOP/s; DMuon's bytes per step by ledger kind (the figures
 `dmuon.comm_stats` reports on a real run, next to the docs/dmuon.md formulas) and, on the same mesh, naive
-FSDP2 + Muon and FSDP2 + AdamW.
+FSDP2 + Muon and FSDP2 + AdamW; with MoE layers, their all-to-all bytes per rank.
 """
 
 from __future__ import annotations
@@ -43,11 +54,14 @@ from titan_dmuon import dmuon
 from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec, model_vocab_size
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.dmuon.muon import EXPERT_BLOCKS
 from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
 from titan_dmuon.dmuon.partition import PartitionItem, item_cost
 from titan_dmuon.dmuon.tp import heads_are_local
 from titan_dmuon.parallel import ParallelDims, fsdp_blocks, parallelize
+from titan_dmuon.parallel.expert_parallel import all_to_all_bytes, expert_modules
 from titan_dmuon.parallel.layout import describe_layout
+from titan_dmuon.parallel.parallelize import ac_plan
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +70,57 @@ GIB, MIB = 2.0**30, 2.0**20
 
 @dataclass(frozen=True)
 class Mesh:
-    """The run's (replicate, shard, tp) degrees and every global rank's coordinates (row-major, as build_mesh)."""
+    """The run's (replicate, shard, tp) degrees, its expert-parallel degree E (dividing the shard degree N), and
+    every global rank's coordinates (row-major, as ParallelDims.build_mesh).
+
+    Without EP the mesh is (R, N, T); with EP it is (R, N / E, E, T) = (replicate, efsdp, ep, tp), and "shard" is
+    the flattened (efsdp, ep): the same shard coordinate as without EP. The expert stacks are owned over the
+    expert axes (DMuon's `expert_mesh`): their shard coordinate is "expert_shard" = efsdp x T + tp (the flattened
+    (efsdp, tp) under TP, efsdp alone without), G_e = N / E x T ranks, and their "tp" coordinate is the EP index."""
 
     R: int
     N: int
     T: int
+    E: int = 1
+
+    def __post_init__(self) -> None:
+        if self.E < 1 or self.N % self.E:
+            raise ValueError(f"the expert-parallel degree {self.E} must divide the shard degree {self.N}")
 
     @property
     def world(self) -> int:
         return self.R * self.N * self.T
 
+    @property
+    def efsdp(self) -> int:
+        return self.N // self.E
+
+    @property
+    def expert_shard_size(self) -> int:
+        """G_e: the ranks that hold the same experts and route different tokens (the expert shard group)."""
+        return self.efsdp * self.T
+
     def coords(self) -> dict[str, np.ndarray]:
+        """Every global rank's coordinate on each named mesh dim (flattened ones included), by name."""
         g = np.arange(self.world)
-        return {"replicate": g // (self.N * self.T), "shard": (g // self.T) % self.N, "tp": g % self.T}
+        efsdp, ep, tp = (g // (self.E * self.T)) % self.efsdp, (g // self.T) % self.E, g % self.T
+        expert_shard = efsdp * self.T + tp
+        return {
+            "replicate": g // (self.N * self.T),
+            "shard": (g // self.T) % self.N,
+            "tp": tp,
+            "efsdp": efsdp,
+            "ep": ep,
+            "expert_shard": expert_shard,
+        }
 
     def rank(self, replicate: int, shard: int, tp: int) -> int:
         return (replicate * self.N + shard) * self.T + tp
+
+    def expert_rank(self, replicate: int, expert_shard: int, ep: int) -> int:
+        """The global rank at an expert-axes coordinate (expert shard index, replicate, EP index)."""
+        efsdp, tp = divmod(expert_shard, self.T)
+        return ((replicate * self.efsdp + efsdp) * self.E + ep) * self.T + tp
 
 
 # ------------------------------------------------------------------------------------------- capacity
@@ -267,10 +316,13 @@ def format_capacity(p: dict[str, Any]) -> str:
 
 
 def _head_blocks(model: torch.nn.Module, dps: list, options: dmuon.MuonOptions) -> dict[str, tuple[int, int] | None]:
-    """fqn -> the head blocks its update is split into (per-head Muon), None for a whole-matrix update."""
+    """fqn -> the blocks its update is split into (per-head Muon; an expert stack's experts, always), None for a
+    whole-matrix update (dmuon.Muon's `_active_head_blocks`)."""
     state = dmuon.state.find_state(model)
     recorded = state.head_blocks if state is not None else {}
-    return {dp.fqn: options.active_blocks(recorded.get(dp.fqn)) for dp in dps}
+    return {
+        dp.fqn: EXPERT_BLOCKS if len(dp.full_shape) == 3 else options.active_blocks(recorded.get(dp.fqn)) for dp in dps
+    }
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -343,6 +395,9 @@ def _fsdp_local_numel(
             key = (tuple(p.shape), (), (), ())
         if key not in cache:
             shape, names, mesh_shape, placements = key
+            unknown = set(names) - set(coords)
+            if unknown:
+                raise ValueError(f"{fqn}: the planner has no rank coordinates for mesh dims {sorted(unknown)}")
             if not names:
                 cache[key] = np.full(mesh.world, float(p.numel()))
             else:  # only the coordinates of sharded mesh dims matter: a Replicate dim's is set to 0
@@ -402,9 +457,10 @@ def plan_memory(
     `device_bytes` (default `job.dry_run_device_memory_gib`): (memory terms by rank, capacity, what the other
     sections reuse). The dry run calls it on its fake world; a real run on
     CUDA on its own build, before it allocates anything (`check_device_memory`)."""
-    mesh = Mesh(dims.dp_replicate, dims.dp_shard, dims.tp)
+    mesh = Mesh(dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep)
     R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
     coords = mesh.coords()
+    G_e = mesh.expert_shard_size
     t = cfg.training
     z3 = cfg.optimizer.dmuon.reshard_after_forward
     param_dtype = dmuon.to_dtype(t.mixed_precision_param)
@@ -412,7 +468,10 @@ def plan_memory(
     e_param = param_dtype.itemsize
     e_reduce = reduce_dtype.itemsize
 
-    dps = dmuon.get_dedicated_params(model) if dmuon.state.find_state(model) is not None else []
+    state = dmuon.state.find_state(model)
+    dps = dmuon.get_dedicated_params(model) if state is not None else []
+    expert_axes = state.expert_axes if state is not None else None
+    experts = {dp.fqn for dp in dps if expert_axes is not None and dp.axes is expert_axes}  # owned over EP's axes
     own = set(dp.param for dp in dps)
     master_bytes = 4.0  # fp32 masters, momentum and reduced grads
     fsdp_elem = next((p.dtype.itemsize for p in model.parameters() if p not in own), 4)
@@ -421,14 +480,23 @@ def plan_memory(
     blocks = spec.blocks(model)
     units = {id(b) for b in fsdp_blocks(blocks, own)}  # the other blocks' params are the root unit's
     block_prefixes = tuple(f"{fqn}." for fqn, b in blocks if id(b) in units)
+    if dims.ep_enabled:  # expert stacks the optimizer leaves to FSDP2 are units of their own (parallelize.py)
+        names = {id(m): fqn for fqn, m in model.named_modules()}
+        block_prefixes += tuple(
+            f"{names[id(m)]}." for m in expert_modules(model) if not all(p in own for p in m.parameters())
+        )
     fsdp_numel, fsdp_root_numel = _fsdp_local_numel(model, own, mesh, block_prefixes)
-    col_numel = np.zeros(N)  # P_col(s): dedicated (TP-local) elements owned in shard column s
-    owner_numel = np.zeros((R, N))  # elements the global owner (s, r) updates
+    # P_col(s): dedicated (TP-local, EP-local) elements owned in shard column s; owner: what the global owner
+    # (s, r) updates. The dense matrices' columns are shard coordinates, the expert stacks' expert-shard ones.
+    col_numel, owner_numel = np.zeros(N), np.zeros((R, N))
+    e_col_numel, e_owner_numel = np.zeros(G_e), np.zeros((R, G_e))
     for dp in dps:
-        col_numel[dp.owner_shard] += dp.numel
-        owner_numel[dp.owner_replicate, dp.owner_shard] += dp.numel
-    masters = col_numel[coords["shard"]] * master_bytes
-    momentum = owner_numel[coords["replicate"], coords["shard"]] * master_bytes
+        col, owner = (e_col_numel, e_owner_numel) if dp.fqn in experts else (col_numel, owner_numel)
+        col[dp.owner_shard] += dp.numel
+        owner[dp.owner_replicate, dp.owner_shard] += dp.numel
+    r_of, s_of, es_of = coords["replicate"], coords["shard"], coords["expert_shard"]
+    masters = (col_numel[s_of] + e_col_numel[es_of]) * master_bytes
+    momentum = (owner_numel[r_of, s_of] + e_owner_numel[r_of, es_of]) * master_bytes
     fsdp = fsdp_numel * fsdp_elem
     adamw = 2 * fsdp
     grads = fsdp + momentum  # FSDP2's sharded grads + the global owners' fp32 _reduced_grad
@@ -466,7 +534,7 @@ def plan_memory(
     if not capacity["fits"] and estimate is not None:
         capacity["alternatives"] = _activation_alternatives(cfg, spec, model, T, float(base[rank]), device)
     ctx = dict(mesh=mesh, coords=coords, dps=dps, z3=z3, fsdp_numel=fsdp_numel, fsdp_root_numel=fsdp_root_numel)
-    return memory, capacity, ctx | dict(e_param=e_param, e_reduce=e_reduce)
+    return memory, capacity, ctx | dict(e_param=e_param, e_reduce=e_reduce, experts=experts)
 
 
 def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
@@ -475,8 +543,8 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     model, spec, dims, info = build_on_fake_world(cfg, world_size)
     memory, capacity, ctx = plan_memory(model, spec, dims, cfg)
-    mesh, coords, dps, z3 = ctx["mesh"], ctx["coords"], ctx["dps"], ctx["z3"]
-    R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
+    mesh, coords, dps, z3, experts = ctx["mesh"], ctx["coords"], ctx["dps"], ctx["z3"], ctx["experts"]
+    R, N, T, W, E, G_e = mesh.R, mesh.N, mesh.T, mesh.world, mesh.E, mesh.expert_shard_size
     t, m = cfg.training, cfg.optimizer.muon
     fsdp_numel, fsdp_root_numel, e_param, e_reduce = (
         ctx[k] for k in ("fsdp_numel", "fsdp_root_numel", "e_param", "e_reduce")
@@ -485,7 +553,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     # ---- LPT plan -----------------------------------------------------------------------------------------
     ns_steps = m.ns_steps
     blocks_of = _head_blocks(model, dps, m.to_options())
-    cost = {  # half the matmul FLOPs; per-head Muon: blocks x a block's
+    cost = {  # half the matmul FLOPs; per-head Muon: blocks x a block's; an expert stack: experts x an expert's
         dp.fqn: item_cost(PartitionItem(dp.fqn, tuple(dp.full_shape), "", head_blocks=blocks_of[dp.fqn]), ns_steps)
         for dp in dps
     }
@@ -493,6 +561,11 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     ns_flops = np.zeros(W)
     jobs: list[float] = []
     for dp in dps:  # a TP-sharded matrix runs on its TP owner; an unsharded one on each TP rank's DP owner
+        if dp.fqn in experts:  # an expert stack under EP: each EP rank of its owner runs NS on its E/EP experts
+            for ep in range(E):
+                ns_flops[mesh.expert_rank(dp.owner_replicate, dp.owner_shard, ep)] += 2 * cost[dp.fqn] / E
+                jobs.append(2 * cost[dp.fqn] / E)
+            continue
         if dp.fqn in heads_local:  # per-head Muon, whole heads in each TP shard: each TP rank its own heads
             for tp in range(T):
                 ns_flops[mesh.rank(dp.owner_replicate, dp.owner_shard, tp)] += 2 * cost[dp.fqn] / T
@@ -502,29 +575,50 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             ns_flops[mesh.rank(dp.owner_replicate, dp.owner_shard, tp)] += 2 * cost[dp.fqn]
             jobs.append(2 * cost[dp.fqn])
     bound = dmuon.partition.makespan_lower_bound(jobs, W)
-    slot_cost = np.zeros(R * N)
-    for dp in dps:
-        slot_cost[dp.owner_replicate * N + dp.owner_shard] += cost[dp.fqn]
-    slot_bound = dmuon.partition.makespan_lower_bound(list(cost.values()), R * N)
+    # each LPT (the dense matrices over the R x N slots, the expert stacks over R x G_e) against its own bound
+    slot_ratio = {}
+    for kind, slots, items in (
+        ("dense", R * N, [dp for dp in dps if dp.fqn not in experts]),
+        ("experts", R * G_e, [dp for dp in dps if dp.fqn in experts]),
+    ):
+        slot_cost = np.zeros(slots)
+        for dp in items:
+            slot_cost[dp.owner_replicate * (slots // R) + dp.owner_shard] += cost[dp.fqn]
+        slot_bound = dmuon.partition.makespan_lower_bound([cost[dp.fqn] for dp in items], slots)
+        slot_ratio[kind] = float(slot_cost.max()) / slot_bound if slot_bound else 0.0
+    block_names = sorted((fqn for fqn, _ in spec.blocks(model)), key=len, reverse=True)
+
+    def layer_of(dp) -> str:  # the block a matrix is in (an expert stack's hook group is its experts module)
+        return next((b for b in block_names if dp.fqn.startswith(f"{b}.")), dp.group.module_fqn)
+
     by_layer: dict[str, list] = {}
     for dp in dps:
-        by_layer.setdefault(dp.group.module_fqn, []).append(dp)
-    owners_per_layer = [len({(d.owner_shard, d.owner_replicate) for d in v}) for v in by_layer.values()]
+        by_layer.setdefault(layer_of(dp), []).append(dp)
+    owners_per_layer = [  # an expert slot is another rank than the dense slot of the same coordinates
+        len({(d.fqn in experts, d.owner_shard, d.owner_replicate) for d in v}) for v in by_layer.values()
+    ]
     first = next(iter(by_layer.values()), [])
     tflops = cfg.job.dry_run_tflops
     naive_flops = 2 * sum(cost.values())  # naive FSDP2 + Muon: every rank orthogonalizes every full matrix
     mean = float(ns_flops.mean())
+
+    def tp_owner(d) -> int | None:  # the TP rank that runs a TP-sharded matrix's NS (an expert stack: every EP rank)
+        return d.tp_owner if d.tp_group is not None and d.fqn not in experts else None
+
     lpt = {
         "matrices": len(dps),
+        "expert_stacks": len(experts),
         "layers": len(by_layer),
         "slots": R * N,
+        "expert_slots": R * G_e if experts else 0,
         "ns_steps": ns_steps,
         "ns_flops_per_rank": _summary(ns_flops),
         "ns_flops_mean": mean,
         "ns_flops_lower_bound": bound,
         "max_over_mean": float(ns_flops.max()) / mean if mean else 0.0,
         "max_over_lower_bound": float(ns_flops.max()) / bound if bound else 0.0,
-        "slot_max_over_lower_bound": float(slot_cost.max()) / slot_bound if slot_bound else 0.0,
+        "slot_max_over_lower_bound": slot_ratio["dense"],
+        "expert_slot_max_over_lower_bound": slot_ratio["experts"],
         "owners_per_layer": {
             "min": min(owners_per_layer, default=0),
             "median": float(statistics.median(owners_per_layer)) if owners_per_layer else 0.0,
@@ -532,12 +626,15 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             "matrices_per_layer": max((len(v) for v in by_layer.values()), default=0),
         },
         "first_layer": {
-            d.fqn: {"owner_shard": d.owner_shard, "owner_replicate": d.owner_replicate, "tp_owner": d.tp_owner}
+            d.fqn: {
+                "owner_shard": d.owner_shard,
+                "owner_replicate": d.owner_replicate,
+                "tp_owner": d.tp_owner,
+                "expert": d.fqn in experts,
+            }
             for d in first
         },
-        "owners": {
-            d.fqn: [d.owner_shard, d.owner_replicate, d.tp_owner if d.tp_group is not None else None] for d in dps
-        },
+        "owners": {d.fqn: [d.owner_shard, d.owner_replicate, tp_owner(d)] for d in dps},
         "tflops": tflops,
         "ns_time_s_max": float(ns_flops.max()) / (tflops * 1e12),
         "ns_time_s_mean": mean / (tflops * 1e12),
@@ -546,7 +643,10 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     }
 
     # ---- bytes per step -----------------------------------------------------------------------------------
-    comm = _bytes_per_step(cfg, dps, blocks_of, mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce)
+    comm = _bytes_per_step(
+        cfg, dps, blocks_of, mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce, experts
+    )
+    comm["moe_all_to_all"] = _moe_all_to_all(model, spec, cfg, mesh, e_param)
 
     elapsed = time.perf_counter() - started
     return {
@@ -556,6 +656,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             "vocab": info["vocab"],
             "world_size": W,
             "mesh": {"replicate": R, "shard": N, "tp": T},
+            "expert_parallel": {"ep": E, "efsdp": mesh.efsdp, "expert_shard": G_e} if E > 1 else None,
             "local_batch_size": t.local_batch_size,
             "seq_len": t.seq_len,
             "activation_checkpoint": _ac_label(cfg),
@@ -574,23 +675,76 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     }
 
 
+def _moe_layers(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[int, torch.nn.Module]]:
+    """(block index, MoE module) of every MoE layer, in forward order: a module with a `dispatcher` and an
+    `experts` child (expert_parallel.py's protocol; models/qwen3/moe.py's MoE)."""
+    out = []
+    for i, (_, block) in enumerate(spec.blocks(model)):
+        out += [(i, m) for m in block.modules() if hasattr(m, "dispatcher") and "experts" in m._modules]
+    return out
+
+
+def _moe_all_to_all(model, spec: ModelSpec, cfg: JobConfig, mesh: Mesh, e_param: int) -> dict[str, Any] | None:
+    """The MoE layers' token all-to-all per rank and step (the same under every optimizer), uniform routing:
+    `expert_parallel.all_to_all_bytes` (forward dispatch and combine, and their grads in backward), plus the
+    forward's two again in each checkpointed block (activation checkpointing recomputes it), plus each
+    dispatch's exchange of the int64 expert counts. A rank routes its own sequence chunk under TP (sequence
+    parallelism): its tokens are micro-batch x seq_len / T per micro-batch. None for a model without MoE layers."""
+    layers = _moe_layers(model, spec)
+    if not layers:
+        return None
+    t, ac = cfg.training, cfg.activation_checkpoint
+    tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps // mesh.T
+    chosen, _ = ac_plan(ac.mode, ac.selective_ac_option, len(spec.blocks(model)))
+    recomputed = sum(1 for i, _ in layers if i in set(chosen))
+    shapes = {(int(m.top_k), int(m.num_experts), int(m.experts.w1.shape[-1])) for _, m in layers}
+    if len(shapes) != 1:
+        raise ConfigError(f"the planner models MoE layers of one shape (top-k, experts, dim), got {sorted(shapes)}")
+    top_k, num_experts, dim = shapes.pop()
+    forward_backward = all_to_all_bytes(tokens, top_k, dim, mesh.E, e_param, len(layers))
+    recompute = all_to_all_bytes(tokens, top_k, dim, mesh.E, e_param, recomputed) / 2
+    micro_batches = t.gradient_accumulation_steps
+    counts = (len(layers) + recomputed) * micro_batches * num_experts * 8 * (mesh.E - 1) / mesh.E
+    return {
+        "ep": mesh.E,
+        "moe_layers": len(layers),
+        "recomputed_layers": recomputed,
+        "tokens_per_rank": tokens,
+        "top_k": top_k,
+        "num_experts": num_experts,
+        "dim": dim,
+        "element_bytes": e_param,
+        "bytes": forward_backward,
+        "ac_recompute_bytes": recompute,
+        "counts_bytes": counts,
+        "total": forward_backward + recompute + counts,
+    }
+
+
 def _bytes_per_step(
-    cfg, dps, blocks_of, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce
+    cfg, dps, blocks_of, mesh: Mesh, coords, z3, fsdp_numel, fsdp_root_numel, e_param, e_reduce, experts=frozenset()
 ) -> dict:
-    """Per rank, what DMuon's ledger records in a steady-state step (docs/dmuon.md, "Bytes per step"), the
-    formulas, and the other two optimizers on the same mesh (the Muon matrices; the other params apart).
-    `blocks_of`: fqn -> per-head blocks (a TP shard holding whole heads needs no gather, scatter or Gram)."""
-    R, N, T, W = mesh.R, mesh.N, mesh.T, mesh.world
-    s_of, r_of = coords["shard"], coords["replicate"]
+    """Per rank, what DMuon's ledger records in a steady-state step (docs/dmuon.md, "Bytes per step" and "Experts"),
+    the formulas, and the other two optimizers on the same mesh (the Muon matrices; the other params apart).
+    `blocks_of`: fqn -> per-head blocks (a TP shard holding whole heads needs no gather, scatter or Gram);
+    `experts`: the FQNs of the expert stacks owned over the expert axes (EP): their shard group is the G_e ranks
+    of an expert shard group and their column an expert-shard coordinate; their NS is local (no TP traffic)."""
+    R, N, T, W, E, G_e = mesh.R, mesh.N, mesh.T, mesh.world, mesh.E, mesh.expert_shard_size
+    s_of, r_of, es_of = coords["shard"], coords["replicate"], coords["expert_shard"]
     frac = lambda k: (k - 1) / k  # noqa: E731 - the per-rank share of a rooted collective over k ranks
     kinds = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter", "tp_gram")
     elements = {k: np.zeros(W) for k in kinds}
     nbytes = {k: np.zeros(W) for k in kinds}
-    p_m = float(sum(dp.numel for dp in dps))
+    dense = [dp for dp in dps if dp.fqn not in experts]
+    stacks = [dp for dp in dps if dp.fqn in experts]
+    p_m = float(sum(dp.numel for dp in dense))
+    p_e = float(sum(dp.numel for dp in stacks))  # per EP rank: its E/EP experts of each stack
     p_col, m_col = np.zeros(N), np.zeros(N)
+    pe_col, me_col = np.zeros(G_e), np.zeros(G_e)
     for dp in dps:
-        p_col[dp.owner_shard] += dp.numel
-        m_col[dp.owner_shard] += 1
+        pc, mc = (pe_col, me_col) if dp.fqn in experts else (p_col, m_col)
+        pc[dp.owner_shard] += dp.numel
+        mc[dp.owner_shard] += 1
     e_buf = dps[0].group.dtype.itemsize if dps else e_param
     gram = cfg.optimizer.dmuon.tp_distributed_gram
     mc = cfg.optimizer.muon  # the distributed Gram all-reduces one fp32 s×s Gram per restart segment of its NS
@@ -598,17 +752,21 @@ def _bytes_per_step(
     for dp in dps:  # each rank of a group records every broadcast/reduce segment of the shard group
         e = dp.group.dtype.itemsize  # the broadcasts move the packed params
         e_red = dp.group.reduce_dtype.itemsize  # the reduces move the grads cast to DMuon's reduce dtype
-        if N > 1:
-            elements["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel
-            nbytes["broadcast"] += (2 if z3 else 1) * frac(N) * dp.numel * e
-            elements["reduce"] += frac(N) * (dp.numel + 1)  # + its has-grad flag
-            nbytes["reduce"] += frac(N) * (dp.numel + 1) * e_red
-        column = s_of == dp.owner_shard
+        expert = dp.fqn in experts
+        G, col_of = (G_e, es_of) if expert else (N, s_of)
+        if G > 1:
+            elements["broadcast"] += (2 if z3 else 1) * frac(G) * dp.numel
+            nbytes["broadcast"] += (2 if z3 else 1) * frac(G) * dp.numel * e
+            elements["reduce"] += frac(G) * (dp.numel + 1)  # + its has-grad flag
+            nbytes["reduce"] += frac(G) * (dp.numel + 1) * e_red
+        column = col_of == dp.owner_shard
         if R > 1:
             elements["replicate_reduce"][column] += frac(R) * (dp.numel + 1)
             nbytes["replicate_reduce"][column] += frac(R) * (dp.numel + 1) * e_red
             elements["replicate_broadcast"][column] += frac(R) * dp.numel
             nbytes["replicate_broadcast"][column] += frac(R) * dp.numel * 4  # the fp32 master
+        if expert:
+            continue  # the EP shard holds whole experts: NS where it lives, no TP gather / scatter / Gram
         blocks = blocks_of[dp.fqn]
         if dp.tp_group is not None and T > 1 and not (blocks and heads_are_local(dp, blocks)):
             owners = column & (r_of == dp.owner_replicate)  # the T ranks of the DP owner's TP group
@@ -622,21 +780,28 @@ def _bytes_per_step(
                 for k in ("tp_gather", "tp_scatter"):
                     elements[k][owners] += frac(T) * full
                     nbytes[k][owners] += frac(T) * full * 4  # fp32 update shards
+    m_e = len(stacks)
     formula = {
-        "broadcast": (2 if z3 else 1) * frac(N) * p_m,
-        "reduce (+ one has-grad flag per matrix, M)": frac(N) * (p_m + len(dps)),
-        "replicate_reduce (per rank: (R-1)/R (P_col(shard) + M_col(shard)))": frac(R) * (p_col + m_col)[s_of],
-        "replicate_broadcast (per rank)": frac(R) * p_col[s_of],
-        "replicate row sum of replicate_reduce = (R-1)/R (P_M + M)": frac(R) * (p_m + len(dps)),
+        "broadcast": (2 if z3 else 1) * (frac(N) * p_m + frac(G_e) * p_e),
+        "reduce (+ one has-grad flag per matrix, M)": frac(N) * (p_m + len(dense)) + frac(G_e) * (p_e + m_e),
+        "replicate_reduce (per rank: (R-1)/R (P_col(shard) + M_col(shard)))": frac(R)
+        * ((p_col + m_col)[s_of] + (pe_col + me_col)[es_of]),
+        "replicate_broadcast (per rank)": frac(R) * (p_col[s_of] + pe_col[es_of]),
+        "replicate row sum of replicate_reduce = (R-1)/R (P_M + M)": frac(R) * (p_m + len(dense)),
     }
+    if stacks:
+        key = "experts' replicate_reduce summed over the expert shards = (R-1)/R (P_E/EP + M_E)"
+        formula[key] = frac(R) * (p_e + m_e)
     dmuon_total = sum(nbytes.values())
-    # Naive FSDP2 + Muon and FSDP2 + AdamW on the Muon matrices (FSDP2 over the same N, the TP-local P_M).
+    # Naive FSDP2 + Muon and FSDP2 + AdamW on the Muon matrices (FSDP2 over the same N, the TP-local P_M; the
+    # expert stacks, EP-local P_E, over the G_e ranks of the expert FSDP mesh, as apply_fsdp shards them).
     reshard = cfg.parallelism.fsdp_reshard_after_forward != "never"  # the blocks (they hold the Muon matrices)
-    p_full = float(sum(dp.numel * (T if dp.tp_group is not None else 1) for dp in dps))
-    all_gather = (2 if reshard else 1) * frac(N) * p_m * e_param
-    reduce_scatter = frac(N) * p_m * e_reduce
-    hsdp_all_reduce = 2 * frac(R) * p_m / N * e_reduce
-    grad_all_gather = frac(N * T) * p_full * 4  # full_tensor() of every fp32 Muon grad shard (shard and TP dims)
+    p_full = float(sum(dp.numel * (T if dp.tp_group is not None else 1) for dp in dense))
+    all_gather = (2 if reshard else 1) * (frac(N) * p_m + frac(G_e) * p_e) * e_param
+    reduce_scatter = (frac(N) * p_m + frac(G_e) * p_e) * e_reduce
+    hsdp_all_reduce = 2 * frac(R) * (p_m / N + p_e / G_e) * e_reduce
+    # full_tensor() of every fp32 Muon grad shard (shard and TP dims; an expert stack's EP and expert-shard dims)
+    grad_all_gather = frac(N * T) * (p_full + p_e * E) * 4
     fsdp_adamw = all_gather + reduce_scatter + hsdp_all_reduce
     # The other params (embeddings, norms, output): FSDP2 in all three.
     one_row = r_of == 0  # a replicate row's N shard ranks hold each TP-local param once
@@ -652,6 +817,9 @@ def _bytes_per_step(
         "dmuon_bytes": {k: _summary(v) for k, v in nbytes.items()},
         "dmuon_total_bytes": _summary(dmuon_total),
         "p_m_elements": p_m,
+        "p_e_elements": p_e,
+        "expert_stacks": m_e,
+        "expert_shard_group": G_e if stacks else None,
         "packed_element_bytes": e_buf,
         "formula_elements": {k: _summary(np.broadcast_to(v, (W,)).astype(float)) for k, v in formula.items()},
         "naive_fsdp2_muon_bytes": {
@@ -680,10 +848,11 @@ def _row(label: str, s: dict | None, scale: float, unit: str, width: int = 46) -
 
 def format_plan(p: dict[str, Any]) -> str:
     c, mem, lpt, comm = p["config"], p["memory_bytes"], p["lpt"], p["bytes_per_step"]
-    mesh = c["mesh"]
+    mesh, ep = c["mesh"], c.get("expert_parallel")
+    in_shard = f" (efsdp {ep['efsdp']} x ep {ep['ep']})" if ep else ""
     lines = [
         f"Dry run: {c['model']}, {c['params']:,} params (vocab: {c['vocab']}), world {c['world_size']} = replicate "
-        f"{mesh['replicate']} x shard {mesh['shard']} x tp {mesh['tp']} (fake process group, meta tensors)",
+        f"{mesh['replicate']} x shard {mesh['shard']}{in_shard} x tp {mesh['tp']} (fake process group, meta tensors)",
         f"  micro-batch {c['local_batch_size']} x {c['seq_len']} tokens per DP rank, AC {c['activation_checkpoint']}, "
         f"params {c['param_dtype']} / reduce {c['reduce_dtype']}, DMuon-{c['dmuon_mode']}, "
         f"FSDP2 reshard {c['fsdp_reshard_after_forward']}" + (", loss parallel" if c["loss_parallel"] else ""),
@@ -695,7 +864,7 @@ def format_plan(p: dict[str, Any]) -> str:
     unit, scale = ("GiB", GIB) if mem["peak_estimate"]["max"] >= GIB else ("MiB", MIB)
     labels = [
         ("fsdp_param_shards", "FSDP2 param shards (fp32)"),
-        ("dmuon_fp32_masters", "DMuon fp32 masters (owner column)"),
+        ("dmuon_fp32_masters", "DMuon fp32 masters (owner column)" if not ep else "DMuon fp32 masters (owner columns)"),
         ("muon_momentum", "Muon momentum (global owner, fp32)"),
         ("adamw_moments", "AdamW moments (FSDP2 params)"),
         ("gradients", "gradients (FSDP2 shards + owners' reduced)"),
@@ -715,9 +884,21 @@ def format_plan(p: dict[str, Any]) -> str:
         )
     lo = lpt["owners_per_layer"]
     first = ", ".join(
-        f"{fqn.rsplit('.', 2)[-2]}->({o['owner_shard']},{o['owner_replicate']}"
-        + (f",tp{o['tp_owner']})" if mesh["tp"] > 1 else ")")
+        (
+            f"{'.'.join(fqn.rsplit('.', 2)[-2:])}->e({o['owner_shard']},{o['owner_replicate']})"
+            if o.get("expert")
+            else f"{fqn.rsplit('.', 2)[-2]}->({o['owner_shard']},{o['owner_replicate']}"
+            + (f",tp{o['tp_owner']})" if mesh["tp"] > 1 else ")")
+        )
         for fqn, o in lpt["first_layer"].items()
+    )
+    stacks = lpt.get("expert_stacks", 0)
+    expert_slots = (
+        f"; {stacks} of them expert stacks over {lpt['expert_slots']} expert slots (expert shard x replicate, each "
+        f"stack's NS on its owner's {ep['ep'] if ep else 1} EP ranks; per expert slot max/bound "
+        f"{lpt['expert_slot_max_over_lower_bound']:.3f})"
+        if stacks
+        else ""
     )
     ns = lpt["ns_flops_per_rank"]
     naive, adamw = comm["naive_fsdp2_muon_bytes"], comm["fsdp2_adamw_bytes"]
@@ -725,17 +906,26 @@ def format_plan(p: dict[str, Any]) -> str:
     lines += [
         "",
         f"LPT plan: {lpt['matrices']} matrices in {lpt['layers']} layers over {lpt['slots']} DP owner slots "
-        f"(shard x replicate){' x tp ' + str(mesh['tp']) if mesh['tp'] > 1 else ''}, NS {lpt['ns_steps']} steps",
+        f"(shard x replicate){' x tp ' + str(mesh['tp']) if mesh['tp'] > 1 else ''}, NS {lpt['ns_steps']} steps"
+        + expert_slots,
         f"  NS TFLOP per rank and step: max {ns['max'] / 1e12:.3f}, mean {lpt['ns_flops_mean'] / 1e12:.3f} "
         f"(max/mean {lpt['max_over_mean']:.3f}); certified lower bound {lpt['ns_flops_lower_bound'] / 1e12:.3f} "
         f"(max/bound {lpt['max_over_lower_bound']:.3f}; per DP slot {lpt['slot_max_over_lower_bound']:.3f})",
         f"  distinct owners per layer: min {lo['min']}, median {lo['median']:g}, max {lo['max']} "
-        f"(of {lo['matrices_per_layer']} matrices); first layer (shard,replicate): {first}",
+        f"(of {lo['matrices_per_layer']} matrices); first layer (shard,replicate"
+        + ("; e: expert shard,replicate" if stacks else "")
+        + f"): {first}",
         f"  owner NS time per step at {lpt['tflops']:g} TFLOP/s: max {lpt['ns_time_s_max'] * 1e3:.2f} ms, "
         f"mean {lpt['ns_time_s_mean'] * 1e3:.2f} ms (naive FSDP2 + Muon: every rank runs all "
         f"{lpt['naive_ns_flops_per_rank'] / 1e12:.2f} TFLOP = {lpt['naive_ns_time_s'] * 1e3:.1f} ms)",
         "",
-        f"Bytes per step per rank ({bunit}), the Muon matrices: P_M = {comm['p_m_elements']:,.0f} elements per TP rank",
+        f"Bytes per step per rank ({bunit}), the Muon matrices: P_M = {comm['p_m_elements']:,.0f} elements per TP rank"
+        + (
+            f"; expert stacks over the expert shard groups of G_e = {comm['expert_shard_group']} ranks: "
+            f"P_E/EP = {comm['p_e_elements']:,.0f} elements per EP rank"
+            if comm.get("expert_stacks")
+            else ""
+        ),
         f"  {'DMuon ledger kind':<46} {'min':>10} {'median':>11} {'max':>11}",
     ]
     fe = comm["formula_elements"]
@@ -754,9 +944,16 @@ def format_plan(p: dict[str, Any]) -> str:
         np.allclose(comm["dmuon_elements"][k]["per_rank"], fe[f]["per_rank"], rtol=1e-12, atol=0)
         for k, f in check.items()
     )
+    z = "2" if c["dmuon_mode"] == "Z3" else ""
+    experts = (
+        f'; the expert stacks\' (docs/dmuon.md, "Experts") added: broadcast {z}(G_e-1)/G_e P_E/EP, reduce '
+        "(G_e-1)/G_e (P_E/EP + M_E), replicate_* (R-1)/R of the expert column's"
+        if comm.get("expert_stacks")
+        else ""
+    )
     lines.append(
-        f"  formulas (docs/dmuon.md): broadcast {'2' if c['dmuon_mode'] == 'Z3' else ''}(N-1)/N P_M, reduce "
-        f"(N-1)/N (P_M + M), replicate_* (R-1)/R P_col(shard) (+ M_col): {'equal' if ok else 'DIFFERENT'}"
+        f"  formulas (docs/dmuon.md): broadcast {z}(N-1)/N P_M, reduce (N-1)/N (P_M + M), replicate_* (R-1)/R "
+        f"P_col(shard) (+ M_col){experts}: {'equal' if ok else 'DIFFERENT'}"
     )
     lines += [
         f"  {'naive FSDP2 + Muon':<46} {naive['total'] / bscale:>34.3f} {bunit}  (all-gather "
@@ -766,6 +963,17 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  {'FSDP2 + AdamW':<46} {adamw['total'] / bscale:>34.3f} {bunit}  (all-gather, reduce-scatter, replicate "
         "all-reduce)",
         _row("other params (FSDP2: embeddings, norms, output)", comm["other_params_fsdp2_bytes"], bscale, bunit),
+    ]
+    a2a = comm.get("moe_all_to_all")
+    if a2a is not None:
+        lines.append(
+            f"  {'MoE all-to-all (tokens; every optimizer)':<46} {a2a['total'] / bscale:>34.3f} {bunit}  (EP "
+            f"{a2a['ep']}, uniform routing: {a2a['moe_layers']} MoE layers x {a2a['tokens_per_rank']:,} tokens x "
+            f"top-{a2a['top_k']} x {a2a['dim']} x {a2a['element_bytes']} B x (EP-1)/EP, 4 ways = "
+            f"{a2a['bytes'] / bscale:.2f} + AC recompute of {a2a['recomputed_layers']} layers "
+            f"{a2a['ac_recompute_bytes'] / bscale:.2f} + expert counts {a2a['counts_bytes'] / bscale:.4f})"
+        )
+    lines += [
         "",
         f"Planned in {p['planner']['seconds']:.1f} s, {p['planner']['max_rss_bytes'] / GIB:.2f} GiB RSS",
     ]

@@ -3,7 +3,9 @@
 A real 4-rank run of the debug model measures, on every rank, after its second step: the DMuon ledger
 (dmuon.comm_stats: elements and bytes per collective kind) and the resident tensors (FSDP2 param shards,
 DMuon fp32 masters, Muon momentum, AdamW moments, and the gradients just before the step). The planner,
-built once on a fake process group, must give every rank exactly those figures.
+built once on a fake process group, must give every rank exactly those figures. The MoE layouts (qwen3
+debugmodel_moe with expert parallelism) hold its expert axes to a real run the same way: the expert stacks'
+broadcasts and reduces over the expert shard group, their masters, momentum and grads on their owners.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import resource
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,14 @@ LAYOUTS = {
         *("--optimizer.muon.per_head", "true"),
     ],
 }
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]
+MOE_LAYOUTS = {
+    # EP 2 x TP 2: the expert shard group is the TP pair (G_e = 2), the stacks' NS local, the attention gathered
+    "moe-ep2xtp2": [*MOE, "--parallelism.tensor_parallel_degree", "2"],
+    # EP 2 inside HSDP 2 x 2: G_e = 1 (no expert broadcast), the stacks' replicate reduce and publish
+    "moe-ep2-hsdp2x2": [*MOE, "--parallelism.data_parallel_replicate_degree", "2"],
+}
+LAYOUTS |= MOE_LAYOUTS
 MEMORY = ("fsdp_param_shards", "dmuon_fp32_masters", "muon_momentum", "adamw_moments", "gradients")
 
 
@@ -126,9 +137,48 @@ def test_planner_equals_a_real_four_rank_run(layout, tmp_path) -> None:
             assert got["bytes"][kind] == pytest.approx(comm["dmuon_bytes"][kind]["per_rank"][rank], rel=1e-9, abs=1e-6)
     kinds = {k for got in measured for k, v in got["elements"].items() if v > 0}
     assert kinds >= {"broadcast", "reduce"} and kinds & {"replicate_reduce", "tp_gather"}, kinds
+    if layout in MOE_LAYOUTS:  # 4 MoE layers of 3 stacks, each rank holding 4 of the 8 experts
+        assert comm["expert_stacks"] == 12 and planned["config"]["expert_parallel"]["ep"] == 2
+        assert comm["p_e_elements"] == 4 * 3 * 4 * 128 * 256
+
+
+def test_planner_coordinates_are_the_device_mesh_ones() -> None:
+    """The planner's coordinates of every rank (Mesh.coords, expert_rank) are those the run's DeviceMesh gives it:
+    each rank of a 16-rank world in turn, on a fake process group, with EP (the efsdp x ep split of the shard
+    axis, the flattened expert shard axis under TP) and without."""
+    code = textwrap.dedent(
+        """
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from titan_dmuon.parallel import ParallelDims
+        from titan_dmuon.planner import Mesh
+
+        for R, N, T, E in [(1, 8, 2, 2), (2, 4, 2, 2), (2, 8, 1, 4), (1, 4, 4, 1)]:
+            W = R * N * T
+            mesh = Mesh(R, N, T, E)
+            coords = mesh.coords()
+            for g in range(W):
+                dist.init_process_group("fake", store=FakeStore(), rank=g, world_size=W)
+                dims = ParallelDims(dp_replicate=R, dp_shard=N, tp=T, world_size=W, ep=E)
+                dm = dims.build_mesh("cpu")
+                names = ["replicate", "shard", "tp"] + (["efsdp", "ep"] if E > 1 else [])
+                for name in names:
+                    assert dm[name].get_local_rank() == coords[name][g], (R, N, T, E, g, name)
+                if E > 1:
+                    es = dims.expert_dp_mesh(dm).get_local_rank()
+                    assert es == coords["expert_shard"][g], (R, N, T, E, g)
+                    assert mesh.expert_rank(int(coords["replicate"][g]), es, dm["ep"].get_local_rank()) == g
+                assert mesh.rank(int(coords["replicate"][g]), int(coords["shard"][g]), int(coords["tp"][g])) == g
+                dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
 LAYERS = {"llama3_8b.toml": 32, "llama3_70b.toml": 80, "llama3_405b.toml": 126}
+LAYERS |= {"qwen3_30b_a3b.toml": 48, "qwen3_235b_a22b.toml": 94}
 GIB = 2.0**30
 
 
@@ -140,8 +190,10 @@ GIB = 2.0**30
         ("llama3_70b.toml", 64, []),
         ("llama3_405b.toml", 1024, []),
         ("llama3_70b.toml", 256, ["--parallelism.data_parallel_replicate_degree", "4"]),
+        ("qwen3_30b_a3b.toml", 16, []),
+        ("qwen3_235b_a22b.toml", 256, []),
     ],
-    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4 (README)"],
+    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4 (README)", "30B-A3B-16 (EP 8)", "235B-A22B-256 (EP 8)"],
 )
 def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) -> None:
     """At the cluster each config's header names (and the README's 70B command), within a minute of CPU (the
@@ -154,17 +206,28 @@ def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) ->
     cap = planned["capacity"]
     assert cap["fits"] and cap["device_bytes"] == 80 * GIB and cap["alternatives"] == []
     assert cap["peak_bytes"] == mem["peak_estimate"]["max"] <= 80 * GIB, mem["peak_estimate"]["max"] / GIB
-    assert lpt["matrices"] == 7 * LAYERS[config]
+    assert lpt["matrices"] == 7 * LAYERS[config]  # llama3: 4 attention + 3 MLP; Qwen3-MoE: 4 + 3 expert stacks
     assert lpt["ns_flops_lower_bound"] <= lpt["ns_flops_per_rank"]["max"] <= 1.25 * lpt["ns_flops_lower_bound"]
-    n = c["mesh"]["shard"]
-    p_m = comm["p_m_elements"]
-    assert comm["dmuon_elements"]["broadcast"]["max"] == pytest.approx(2 * (n - 1) / n * p_m)  # Z3
+    n, r, tp = c["mesh"]["shard"], c["mesh"]["replicate"], c["mesh"]["tp"]
+    ep = (c["expert_parallel"] or {}).get("ep", 1)
+    # the expert stacks (EP-local P_E, M_E of them) over the G_e ranks of an expert shard group (none: zeros)
+    p_m, p_e, m_e = comm["p_m_elements"], comm["p_e_elements"], comm["expert_stacks"]
+    g_e = comm["expert_shard_group"] or 1
+    assert m_e == (3 * LAYERS[config] if ep > 1 else 0) and (g_e == n // ep * tp if m_e else True)
+    broadcast = 2 * ((n - 1) / n * p_m + (g_e - 1) / g_e * p_e)  # Z3
+    assert comm["dmuon_elements"]["broadcast"]["max"] == pytest.approx(broadcast)
     # the reduce carries one has-grad flag per matrix besides the grads
-    assert comm["dmuon_elements"]["reduce"]["max"] == pytest.approx((n - 1) / n * (p_m + lpt["matrices"]))
+    reduce = (n - 1) / n * (p_m + lpt["matrices"] - m_e) + (g_e - 1) / g_e * (p_e + m_e)
+    assert comm["dmuon_elements"]["reduce"]["max"] == pytest.approx(reduce)
     assert comm["dmuon_total_bytes"]["max"] < comm["naive_fsdp2_muon_bytes"]["total"]
-    # each rank holds its share: the fp32 masters add up to the Muon matrices once per replicate row and TP rank
-    copies = c["mesh"]["replicate"] * c["mesh"]["tp"]
-    assert sum(mem["dmuon_fp32_masters"]["per_rank"]) == pytest.approx(4 * p_m * copies)
+    # each rank holds its share: the fp32 masters add up to the Muon matrices once per replicate row and TP rank,
+    # the expert stacks' once per replicate row and EP rank
+    assert sum(mem["dmuon_fp32_masters"]["per_rank"]) == pytest.approx(4 * (p_m * r * tp + p_e * r * ep))
+    a2a = comm["moe_all_to_all"]
+    if m_e:  # uniform routing: 4 all-to-alls per MoE layer (+ the 2 forward ones again where AC recomputes it)
+        t = (ep - 1) / ep * a2a["tokens_per_rank"] * a2a["top_k"] * a2a["dim"] * a2a["element_bytes"]
+        assert a2a["bytes"] == pytest.approx(4 * a2a["moe_layers"] * t)
+        assert a2a["ac_recompute_bytes"] == pytest.approx(2 * a2a["recomputed_layers"] * t)
 
 
 @pytest.mark.slow

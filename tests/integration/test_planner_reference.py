@@ -3,8 +3,9 @@
 tests/distributed/test_planner.py holds the planner's five resident kinds and its ledger kinds to a real run;
 the totals built from them (resident total, peak, DMuon's total bytes per step, the naive FSDP2 + Muon and
 FSDP2 + AdamW totals, the other params' traffic) are only printed. Here `train.py --job.dry_run` plans the
-tinymodel on a fake 4-rank world (1D FSDP x 4, and HSDP 2 x 2), and every rank's totals are checked against
-numel x element size of the model's own parameters, counted here:
+tinymodel on a fake 4-rank world (1D FSDP x 4, and HSDP 2 x 2; and the qwen3 tinymodel_moe with expert
+parallelism 2, its own test below), and every rank's totals are checked against numel x element size of the
+model's own parameters, counted here:
 
   resident   FSDP2 shards (dim 0 cut in ceil(n / N) rows, as torch.chunk) of the params Muon does not take, fp32
              + DMuon's fp32 masters of the matrices owned in the rank's shard column + Muon momentum (fp32) of
@@ -135,3 +136,55 @@ def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout)
     assert len({tuple(f) for f in flags}) == 1, flags  # one rule for every rank
     assert comm["fsdp2_adamw_bytes"]["total"] == pytest.approx(want["fsdp2_adamw"], rel=1e-12)
     assert comm["naive_fsdp2_muon_bytes"]["total"] == pytest.approx(want["naive"], rel=1e-12)
+
+
+def test_moe_expert_parallel_totals_equal_the_bytes_counted_from_the_model(tmp_path):
+    """Qwen3-MoE (tinymodel_moe: 2 blocks, 8 experts of which 2 per token) with EP 2 on FSDP 4: efsdp 2 x ep 2, rank
+    g at expert shard g // 2 and EP rank g % 2. Each rank holds 4 of the 8 experts of every stack; DMuon owns the
+    stacks over the expert shard groups of G_e = 2 ranks ({0, 2} and {1, 3}), so an owner's master, momentum and
+    reduced grad are of its 4 experts. Counted here: the resident bytes of every rank, DMuon's bytes per step, the
+    naive FSDP2 + Muon and FSDP2 + AdamW totals (the stacks are FSDP2 units over the expert shard group there, and
+    naive Muon all-gathers every grad whole) and the MoE all-to-all (uniform routing)."""
+    from titan_dmuon.models.qwen3 import MUON_PARAMS, build_model
+
+    out = tmp_path / "plan.json"
+    argv = ["--config", "train_configs/debug_model.toml", "--model.name", "qwen3", "--model.flavor", "tinymodel_moe"]
+    argv += ["--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH)]
+    argv += ["--parallelism.expert_parallel_degree", "2"]
+    argv += ["--job.dry_run", "--job.dry_run_world_size", str(WORLD), "--job.dry_run_json", str(out)]
+    proc = run_train(1, argv, timeout=180)
+    assert proc.returncode == 0, tail(proc)
+    plan = json.loads(out.read_text())
+    ep, n, g_e = 2, WORLD, WORLD // 2
+    assert plan["config"]["expert_parallel"] == {"ep": ep, "efsdp": 2, "expert_shard": g_e}
+
+    model = build_model("tinymodel_moe", vocab_size=258, max_seq_len=SEQ)
+    assert sum(p.numel() for p in model.parameters()) == plan["config"]["params"]
+    muon = {f: p for f, p in model.named_parameters() if re.search(MUON_PARAMS, f)}
+    stacks = {f: p.numel() // ep for f, p in muon.items() if p.ndim == 3}  # each rank's 4 experts of a stack
+    dense = {f: p.numel() for f, p in muon.items() if p.ndim == 2}
+    other = [p for f, p in model.named_parameters() if f not in muon]
+    assert len(stacks) == 6 and len(dense) == 8
+    p_m, p_e = sum(dense.values()), sum(stacks.values())
+    owners = plan["lpt"]["owners"]  # [shard, replicate, tp owner]: a stack's shard is its expert shard
+    assert {owners[f][0] for f in stacks} <= set(range(g_e)) and all(owners[f][2] is None for f in stacks)
+    mem, comm = plan["memory_bytes"], plan["bytes_per_step"]
+    for g in range(WORLD):
+        s, es = g, g // ep
+        fsdp = sum(_rows(p.shape[0], n, s) * math.prod(p.shape[1:]) for p in other) * E
+        owned = sum(v for f, v in dense.items() if owners[f][0] == s) + sum(
+            v for f, v in stacks.items() if owners[f][0] == es
+        )
+        masters = momentum = owned * E  # one replica: the owner column is the global owner
+        resident = fsdp + masters + momentum + 2 * fsdp + (fsdp + momentum)
+        assert mem["resident_total"]["per_rank"][g] == pytest.approx(resident, rel=1e-12), g
+        broadcasts = 2 * ((n - 1) / n * p_m + (g_e - 1) / g_e * p_e) * E  # Z3: forward and backward
+        reduces = ((n - 1) / n * (p_m + len(dense)) + (g_e - 1) / g_e * (p_e + len(stacks))) * E  # + has-grad flags
+        assert comm["dmuon_total_bytes"]["per_rank"][g] == pytest.approx(broadcasts + reduces, rel=1e-12), g
+    adamw = 3 * ((n - 1) / n * p_m + (g_e - 1) / g_e * p_e) * E  # all-gather twice (resharded), reduce-scatter
+    assert comm["fsdp2_adamw_bytes"]["total"] == pytest.approx(adamw, rel=1e-12)
+    naive = adamw + (n - 1) / n * (p_m + ep * p_e) * E  # every full grad: dense over 4 shards, stacks over 2 x 2
+    assert comm["naive_fsdp2_muon_bytes"]["total"] == pytest.approx(naive, rel=1e-12)
+    a2a = comm["moe_all_to_all"]  # per layer: dispatch, combine and both grads; half of the rows stay home
+    assert a2a["bytes"] == pytest.approx(4 * 2 * BATCH * SEQ * 2 * 64 * E * (ep - 1) / ep, rel=1e-12)
+    assert a2a["ac_recompute_bytes"] == 0 and a2a["counts_bytes"] == 2 * 8 * 8 * (ep - 1) / ep
