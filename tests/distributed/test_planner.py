@@ -11,6 +11,7 @@ broadcasts and reduces over the expert shard group, their masters, momentum and 
 from __future__ import annotations
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -273,3 +274,20 @@ def test_a_larger_tp_degree_is_planned_anew(tmp_path) -> None:
     planned, _ = dry_run(argv, 8, tmp_path / "tp2.json")
     assert planned["config"]["mesh"] == {"replicate": 1, "shard": 4, "tp": 2}
     assert tp2["peak_bytes"] == pytest.approx(planned["capacity"]["peak_bytes"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "config, extra, match",
+    [
+        ("debug_model.toml", ["--parallelism.expert_parallel_degree", "2"], "has no Mixture-of-Experts layer"),
+        ("qwen3_moe_debug.toml", ["--parallelism.tensor_parallel_degree", "2"], "they need expert parallelism too"),
+        ("qwen3_moe_debug.toml", ["--parallelism.expert_parallel_degree", "3"], r"must divide data_parallel_shard"),
+    ],
+    ids=["ep-on-a-dense-model", "tp-without-ep-on-moe", "ep-not-dividing-shard"],
+)
+def test_expert_parallel_misconfigurations_exit_2(config, extra, match) -> None:
+    """Expert parallelism that cannot run is a config error naming the fix, before anything is allocated."""
+    argv = ["--config", f"train_configs/{config}", *extra, "--job.dry_run", "--job.dry_run_world_size", "4"]
+    proc = run_script(1, "train.py", argv, cwd=str(REPO), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(match, proc.stderr), proc.stderr[-2000:]

@@ -7,7 +7,7 @@ which degrees happen to be > 1, and a size-1 dim costs one trivial process group
     dims = ParallelDims.from_config(cfg, world_size)
     mesh = dims.build_mesh("cpu")
     mesh["tp"]                   -> apply_tp
-    mesh["shard"]                -> dmuon.dedicate_params(..., mesh["shard"], replicate_mesh=mesh["replicate"])
+    dims.shard_mesh(mesh)        -> dmuon.dedicate_params(..., dims.shard_mesh(mesh), replicate_mesh=mesh["replicate"])
     dims.fsdp_mesh(mesh)         -> fully_shard: mesh["replicate", "shard"] (HSDP) or mesh["shard"]
     dims.dp_coordinates(mesh)    -> (dp_rank, dp_world_size) for the data loader (TP ranks share data)
 
@@ -21,6 +21,7 @@ Expert parallelism (ep > 1) splits the shard axis: the mesh is then built as (re
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -104,22 +105,35 @@ class ParallelDims:
     def expert_dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The 1D mesh of the ranks that hold the same experts and route different tokens through them: efsdp,
         with TP the flattened (efsdp, tp) (under TP each rank routes its own sequence chunk)."""
-        return mesh["expert_shard"] if self.tp > 1 else mesh["efsdp"]
+        return _slice(mesh, "expert_shard" if self.tp > 1 else "efsdp")
 
     def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """FSDP2's mesh for the experts: the expert-DP mesh, 2D with replicate under HSDP."""
         name = "expert_shard" if self.tp > 1 else "efsdp"
-        return mesh["replicate", name] if self.hsdp else mesh[name]
+        return _slice(mesh, "replicate", name) if self.hsdp else _slice(mesh, name)
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """FSDP2's mesh: 2D (replicate, shard) for HSDP, else the 1D shard slice."""
-        return mesh["replicate", "shard"] if self.hsdp else mesh["shard"]
+        return _slice(mesh, "replicate", "shard") if self.hsdp else self.shard_mesh(mesh)
+
+    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1D shard slice (DMuon's shard axis): a root dim, or under EP the flattened (efsdp, ep)."""
+        return _slice(mesh, "shard")
 
     def dp_coordinates(self, mesh: DeviceMesh) -> tuple[int, int]:
         """(dp_rank, dp_world_size) of this process: the TP ranks of one DP group get the same data."""
-        dp_rank = mesh.get_local_rank("replicate") * self.dp_shard + mesh.get_local_rank("shard")
+        dp_rank = mesh.get_local_rank("replicate") * self.dp_shard + self.shard_mesh(mesh).get_local_rank()
         return dp_rank, self.dp_world_size
 
     def describe(self) -> str:
         ep = f" (ep {self.ep} x efsdp {self.efsdp})" if self.ep_enabled else ""
         return f"world {self.world_size} = replicate {self.dp_replicate} x shard {self.dp_shard}{ep} x tp {self.tp}"
+
+
+def _slice(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """`mesh[names]`. Under EP some names are dims this module flattened from the root ("shard", "expert_shard"),
+    which torch 2.13 slices from the root mesh with a deprecation warning asking callers to keep the flattened
+    mesh themselves: these are the only slices of them, built here, so the warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh[names[0]] if len(names) == 1 else mesh[names]

@@ -238,6 +238,13 @@ def parallelize(
     reduce_dtype = dmuon.to_dtype(cfg.training.mixed_precision_reduce)
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"], cfg, spec)
+    if dims.tp_enabled and not dims.ep_enabled and expert_modules(model):
+        # under sequence parallelism each TP rank routes its own tokens through whole experts: their grads must be
+        # summed over TP, which the expert-data-parallel mesh (efsdp x tp) does and only EP builds
+        raise ConfigError(
+            f"{cfg.model.name}/{cfg.model.flavor} has Mixture-of-Experts layers: under tensor parallelism they need "
+            "expert parallelism too: set parallelism.expert_parallel_degree >= 2 (it divides the shard degree)"
+        )
     if dims.ep_enabled and apply_ep(model, mesh["ep"]) == 0:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {dims.ep}, but {cfg.model.name}/{cfg.model.flavor} has no "

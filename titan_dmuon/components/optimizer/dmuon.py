@@ -48,7 +48,7 @@ class DMuon(OptimizerComponent):
         param_dtype = dmuon.to_dtype(t.mixed_precision_param) if t.mixed_precision_param != "float32" else None
         owners = dmuon.dedicate_params(
             model,
-            mesh["shard"],
+            dims.shard_mesh(mesh),
             self.muon_predicate,
             replicate_mesh=mesh["replicate"] if dims.hsdp else None,
             reshard_after_forward=self.cfg.optimizer.dmuon.reshard_after_forward,
