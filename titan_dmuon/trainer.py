@@ -160,7 +160,7 @@ class Trainer:
         for module in self.model.modules():
             if hasattr(module, "aux_loss_scale"):
                 module.aux_loss_scale = 1.0 / t.gradient_accumulation_steps
-        self._moe_scalars: dict[str, float] = {}
+        self._moe_scalars: dict[str, torch.Tensor] = {}
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optimizer_component.build()
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
@@ -307,12 +307,13 @@ class Trainer:
             self._moe_scalars = self._moe_after_step()
         return loss_value, norm_value, ntokens
 
-    def _moe_after_step(self) -> dict[str, float]:
+    def _moe_after_step(self) -> dict[str, torch.Tensor]:
         """A Mixture-of-Experts model's step: every rank's tokens per expert summed (one all-reduce of the
         [MoE layers, experts] counts; each rank counts the tokens it routed, before expert parallelism moves
         them), the auxiliary-loss-free bias update from those global counts (the same on every rank), and the
         metrics: the auxiliary loss (mean over ranks) and the most and least loaded expert of any layer, as a
-        fraction of the mean load (1 = balanced). Tokens are never dropped (no capacity limit)."""
+        fraction of the mean load (1 = balanced), as device scalars (read on log steps only: no host sync here).
+        Tokens are never dropped (no capacity limit)."""
         stats = self.spec.moe_stats(self.model)
         counts = stats["tokens_per_expert"].to(self.device, torch.float64)
         if counts.numel() == 0:
@@ -325,11 +326,7 @@ class Trainer:
             self.spec.update_moe_bias(self.model, counts)
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         load = counts / mean
-        return {
-            "moe/aux_loss": float(flat[-1]) / self.world_size,
-            "moe/max_load": float(load.max()),
-            "moe/min_load": float(load.min()),
-        }
+        return {"moe/aux_loss": flat[-1] / self.world_size, "moe/max_load": load.max(), "moe/min_load": load.min()}
 
     # -------------------------------------------------------------------------------------------- loop
     def train(self) -> None:
@@ -384,7 +381,7 @@ class Trainer:
                         )
                     )
                     scalars.update(device_memory_stats(self.device))
-                    scalars.update(self._moe_scalars)
+                    scalars.update({k: float(v) for k, v in self._moe_scalars.items()})
                     # Over ranks: one small collective, on log steps only.
                     scalars.update(self.optimizer_component.step_stats())
                     interval_tokens = 0

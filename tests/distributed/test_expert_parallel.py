@@ -335,7 +335,28 @@ def apply_ep_job(rank: int, world: int) -> dict:
         error = None
     except ValueError as e:
         error = str(e)
-    return dict(changed=changed, params=params, dispatchers=dispatchers, slices_ok=slices_ok, error=error, odd=odd)
+    # DMuon must be told which ranks hold the same experts: without expert_mesh it refuses the split stacks
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_dmuon import dmuon
+
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    split = TinyMoE(full_weights()).to("meta")
+    apply_ep(split, mesh2["ep"])
+    try:
+        dmuon.dedicate_params(split, mesh2["dp"], lambda n, p: p.ndim == 3)
+        dmuon_error = None
+    except ValueError as e:
+        dmuon_error = str(e)
+    return dict(
+        changed=changed,
+        params=params,
+        dispatchers=dispatchers,
+        slices_ok=slices_ok,
+        error=error,
+        odd=odd,
+        dmuon_error=dmuon_error,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -398,6 +419,7 @@ def test_apply_ep_meta():
         assert r["error"] is not None, "a non-divisible number of experts must raise"
         for part in ("layer", f"{r['odd']} experts", f"expert-parallel degree {world}"):
             assert part in r["error"], r["error"]
+        assert r["dmuon_error"] is not None and "pass expert_mesh=" in r["dmuon_error"], r["dmuon_error"]
 
 
 @pytest.mark.slow

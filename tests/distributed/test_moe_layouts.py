@@ -2,7 +2,7 @@
 
 Each run is the trainer itself (`Trainer.train_step`, in process on real gloo ranks) on the qwen3 `tinymodel_moe`
 flavor: 4 ranks as FSDP 4, EP 2 x FSDP 2 (also with full activation checkpointing), EP 2 inside HSDP 2 x 2
-(replicate 2 x shard 2) and EP 2 x TP 2, with dmuon, and EP 2 x FSDP 2 with muon_naive. Every DP rank trains on
+(replicate 2 x shard 2) and EP 2 x TP 2, with dmuon, and EP 2 x FSDP 2 and EP 4 with muon_naive. Every DP rank trains on
 its own token batch of each step.
 
 The reference is one process, one plain model (the same initial weights, read from rank 0), the DP ranks'
@@ -202,8 +202,10 @@ def test_dmuon_layout_matches_reference(layout, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_muon_naive_ep2_matches_reference(tmp_path) -> None:
-    extra = [*LAYOUTS["ep2_fsdp2"], "--optimizer.name", "muon_naive"]
+@pytest.mark.parametrize("ep", [2, 4], ids=["ep2_fsdp2", "ep4_fsdp1"])
+def test_muon_naive_matches_reference(ep, tmp_path) -> None:
+    """FSDP2 units for the expert stacks over the expert-DP ranks (2, and 1: every shard rank an EP rank)."""
+    extra = ["--parallelism.expert_parallel_degree", str(ep), "--optimizer.name", "muon_naive"]
     _check(run_distributed(_rank, 4, str(tmp_path), extra, False, timeout=DEADLINE))
 
 

@@ -68,3 +68,26 @@ def _resume(tmp_path, name: str, *extra: str, nproc: int = 4) -> dict[str, dict[
     (tmp_path / name / "checkpoint").mkdir(parents=True)
     shutil.copytree(tmp_path / "saver" / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
     return _train(tmp_path / name, *extra, nproc=nproc)
+
+
+@pytest.mark.slow
+def test_initial_load_from_hf_moe_folder_on_ep2_matches_1_process(tmp_path) -> None:
+    """A Qwen3-MoE Hugging Face folder (per-expert tensors) loaded on 4 ranks with EP 2, under dmuon (each rank's
+    EP shard of every stack, on its owner column) and under muon_naive (FSDP2 over the expert-DP pair: each rank
+    reads only the experts of its shard), starts from the 1-process model: the same first loss."""
+    import torch
+
+    from titan_dmuon.components.hf import export_hf
+    from titan_dmuon.models.qwen3 import SPEC, build_model
+
+    torch.manual_seed(123)
+    model = build_model("tinymodel_moe", vocab_size=258, device="cpu", max_seq_len=32)
+    with torch.no_grad():  # far from the runs' seeded init
+        for p in model.parameters():
+            p.mul_(3)
+    export_hf(model.state_dict(), tmp_path / "hf", SPEC.state_dict_adapter(model))
+    load = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--training.steps", "1"]
+    one = _train(tmp_path / "one", *load, "--training.local_batch_size", "8", nproc=1)
+    for name, extra in (("dmuon", []), ("naive", ["--optimizer.name", "muon_naive"])):
+        got = _train(tmp_path / name, *load, *EP2, *extra)
+        assert got["loss/train"][1] == pytest.approx(one["loss/train"][1], rel=1e-5), name

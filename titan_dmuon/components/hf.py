@@ -373,6 +373,16 @@ def _fill(template: torch.Tensor, f, name: str, fqn: str, adapter: StateDictAdap
         local.copy_(f.get_slice(name)[region])
 
 
+def _dim0_rows(template: DTensor) -> list[int] | None:
+    """The global dim-0 indices of this rank's local rows, in order, when every placement shards dim 0 (or
+    replicates): placing an index vector the way the template is placed (a local chunk on each rank, no
+    communication). None for other placements."""
+    if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in template.placements):
+        return None
+    idx = torch.arange(template.shape[0], device=template.to_local().device)
+    return distribute_tensor(idx, template.device_mesh, template.placements, src_data_rank=None).to_local().tolist()
+
+
 def _fill_stacked(template: torch.Tensor, files: dict[str, Any], names: list[str], fqn: str, folder: Path) -> None:
     """Copy this rank's share of the stack (dim 0) of HF tensors `names` (file handle of each in `files`) into
     `template` (our `fqn`): a DTensor block reads only the HF tensors of its dim-0 slice, and of each only its
@@ -396,6 +406,11 @@ def _fill_stacked(template: torch.Tensor, files: dict[str, Any], names: list[str
         return
     local = template.to_local()
     if not block:
+        rows = _dim0_rows(template)
+        if rows is not None:  # e.g. FSDP2 over expert parallelism (_StridedShard then Shard, both on dim 0)
+            for i, r in enumerate(rows):
+                local[i].copy_(files[names[r]].get_tensor(names[r]))
+            return
         full = torch.stack([files[n].get_tensor(n) for n in names])
         local.copy_(distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None).to_local())
         return

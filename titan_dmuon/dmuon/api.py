@@ -171,6 +171,13 @@ def _dedicate(
     dense = [(n, p) for n, p in selected if not (p.ndim == 3 and own_axes)]
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in dense}
+    for name, p in dense:
+        if p.ndim == 3 and layouts[name] is not None and layouts[name].shard_dim == 0:
+            raise ValueError(
+                f"dedicate_params: the expert stack '{name}' is split over its experts (dim 0) by expert "
+                "parallelism: pass expert_mesh= (the ranks that hold the same experts), or its grads would be "
+                "averaged with other experts' over the shard mesh"
+            )
     tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
     state = DMuonState(
         shard_mesh=mesh,

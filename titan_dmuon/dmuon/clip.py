@@ -22,7 +22,7 @@ def grads_sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
     by_mesh: dict[int, list[DTensor]] = {}
     for g in grads:
         if isinstance(g, DTensor):
-            by_mesh.setdefault(id(g.device_mesh), []).append(g)
+            by_mesh.setdefault(g.device_mesh, []).append(g)  # by value: FSDP2 builds one mesh object per TP param
         else:
             total = total + g.float().pow(2).sum().to(device)
     for same_mesh in by_mesh.values():

@@ -211,7 +211,8 @@ def apply_fsdp(
             # an expert's grad on its EP rank already sums every rank's tokens: divide by all DP ranks, not the
             # expert-DP ranks FSDP2 reduces over
             experts.set_gradient_divide_factor(float(dims.dp_world_size))
-            if mesh.device_type != "cuda":  # gloo has no PREMUL_SUM: sum, then divide
+            # gloo has no PREMUL_SUM: sum, then divide (FSDP2 would divide twice on a 1-rank reduce-scatter group)
+            if mesh.device_type != "cuda" and dims.efsdp * dims.tp > 1:
                 experts.set_force_sum_reduction_for_comms(True)
     for block in units:
         fully_shard(

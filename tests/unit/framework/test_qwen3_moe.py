@@ -262,6 +262,19 @@ def test_grouped_mm_equals_the_loop_in_bf16() -> None:
     fast_grads = torch.autograd.grad(fast, [x, w1, w2, w3], grad)
     for a, b in zip(fast_grads, torch.autograd.grad(slow, [x, w1, w2, w3], grad), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=5e-2)
+    assert all(not g[1].any() for g in fast_grads[1:])  # expert 1 has no row: its weight grads are exactly zero
+
+
+def test_grouped_path_zeroes_what_a_kernel_leaves_in_empty_groups() -> None:
+    """Whatever a grouped-GEMM kernel writes into a zero-size group's weight grad (NaN here) is zeroed."""
+    from titan_dmuon.models.qwen3.moe import _ZeroEmptyGroups
+
+    w = torch.randn(3, 4, 5, requires_grad=True)
+    counts = torch.tensor([2, 0, 1])
+    poison = torch.ones(3, 4, 5)
+    poison[1] = float("nan")
+    (_ZeroEmptyGroups.apply(w, counts) * poison).sum().backward()
+    assert torch.equal(w.grad[1], torch.zeros(4, 5)) and torch.equal(w.grad[[0, 2]], torch.ones(2, 4, 5))
 
 
 # ---------------------------------------------------------------------------------------------- aux loss

@@ -87,10 +87,28 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
 
 
+class _ZeroEmptyGroups(torch.autograd.Function):
+    """Identity on an expert stack whose backward zeroes the grads of the experts without rows: some grouped-GEMM
+    kernels leave garbage (or NaN) in the weight grad of a zero-size group, and an expert with no token is common
+    (128 experts, small micro-batches). A device mask, no host sync."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counts)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (counts,) = ctx.saved_tensors
+        return grad.masked_fill((counts == 0).view(-1, *([1] * (grad.dim() - 1))), 0), None
+
+
 def experts_grouped_mm(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
-    """SwiGLU experts as three grouped matmuls (rows of expert e: offsets[e-1]..offsets[e]); no host sync."""
+    """SwiGLU experts as three grouped matmuls (rows of expert e: offsets[e-1]..offsets[e]); no host sync. The
+    weight grads of experts without rows are zero whatever the kernel leaves there (`_ZeroEmptyGroups`)."""
+    w1, w2, w3 = (_ZeroEmptyGroups.apply(w, counts) for w in (w1, w2, w3))
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
