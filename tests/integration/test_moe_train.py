@@ -1,4 +1,4 @@
-"""Qwen3-MoE through train.py as users launch it: train_configs/qwen3_moe_debug.toml with the tinymodel_moe flavor
+"""Qwen3-MoE through train.py as users launch it: train_configs/qwen3_moe_debug.toml with the debugmodel_moe flavor
 on 4 ranks with expert parallelism 2 (torchrun), dmuon against muon_naive, and the MoE metrics in TensorBoard.
 
 Both runs train the same model on the same global batch (4 DP ranks x 2 sequences of 32 tokens): dmuon owns each
@@ -22,7 +22,7 @@ import pytest
 from tests.train_runs import assert_same_run, read_scalars, run_train, tail, tiny_train_argv
 
 STEPS = 6
-MOE = ["--model.name", "qwen3", "--model.flavor", "tinymodel_moe", "--training.steps", str(STEPS)]
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", str(STEPS)]
 MOE += ["--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
 EP2 = ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"]
 
@@ -81,7 +81,7 @@ def test_initial_load_from_hf_moe_folder_on_ep2_matches_1_process(tmp_path) -> N
     from titan_dmuon.models.qwen3 import SPEC, build_model
 
     torch.manual_seed(123)
-    model = build_model("tinymodel_moe", vocab_size=258, device="cpu", max_seq_len=32)
+    model = build_model("debugmodel_moe", vocab_size=258, device="cpu", max_seq_len=32)
     with torch.no_grad():  # far from the runs' seeded init
         for p in model.parameters():
             p.mul_(3)
