@@ -59,7 +59,7 @@ from titan_dmuon.dmuon.newton_schulz import gram_restarts, resolve_coefficients
 from titan_dmuon.dmuon.partition import PartitionItem, item_cost
 from titan_dmuon.dmuon.tp import heads_are_local
 from titan_dmuon.parallel import ParallelDims, fsdp_blocks, parallelize
-from titan_dmuon.parallel.expert_parallel import all_to_all_bytes, expert_modules
+from titan_dmuon.parallel.expert_parallel import all_to_all_bytes, expert_modules, moe_modules
 from titan_dmuon.parallel.layout import describe_layout
 from titan_dmuon.parallel.parallelize import ac_plan
 
@@ -676,12 +676,8 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
 
 
 def _moe_layers(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[int, torch.nn.Module]]:
-    """(block index, MoE module) of every MoE layer, in forward order: a module with a `dispatcher` and an
-    `experts` child (expert_parallel.py's protocol; models/qwen3/moe.py's MoE)."""
-    out = []
-    for i, (_, block) in enumerate(spec.blocks(model)):
-        out += [(i, m) for m in block.modules() if hasattr(m, "dispatcher") and "experts" in m._modules]
-    return out
+    """(block index, MoE module) of every MoE layer, in forward order (expert_parallel.moe_modules' protocol)."""
+    return [(i, m) for i, (_, block) in enumerate(spec.blocks(model)) for m in moe_modules(block)]
 
 
 def _moe_all_to_all(model, spec: ModelSpec, cfg: JobConfig, mesh: Mesh, e_param: int) -> dict[str, Any] | None:

@@ -169,8 +169,7 @@ def _dedicate(
     own_axes = expert_mesh is not None
     experts = [(n, p) for n, p in selected if p.ndim == 3 and own_axes]
     dense = [(n, p) for n, p in selected if not (p.ndim == 3 and own_axes)]
-    dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
-    layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in dense}
+    layouts, tp_rank = _layouts(dense, mesh, replicate_mesh)
     for name, p in dense:
         if p.ndim == 3 and layouts[name] is not None and layouts[name].shard_dim == 0:
             raise ValueError(
@@ -178,13 +177,12 @@ def _dedicate(
                 "parallelism: pass expert_mesh= (the ranks that hold the same experts), or its grads would be "
                 "averaged with other experts' over the shard mesh"
             )
-    tp_ranks = {lay.rank for lay in layouts.values() if lay is not None}
     state = DMuonState(
         shard_mesh=mesh,
         replicate_mesh=replicate_mesh,
         reshard_after_forward=reshard_after_forward,
         mode=mode,
-        tp_rank=next(iter(tp_ranks)) if tp_ranks else _tp.tp_coordinate(mesh, replicate_mesh, dp_names),
+        tp_rank=tp_rank,
         tp_buffer_reuse=tp_buffer_reuse,
     )
     _check_coords(state.axes, "the shard (and replicate) slices")
@@ -192,21 +190,17 @@ def _dedicate(
     hook_of = resolve_hook_modules(model, [n for n, _ in dense], hook_boundary_predicate)
     owned = _place(dense, state.axes, layouts, hook_of, blocks)
     if experts:  # expert stacks: their own axes, each behind its own module (a group has one set of axes)
-        e_names = _tp.dp_mesh_names(expert_mesh, replicate_mesh)
-        e_layouts = {name: _tp.tp_layout(name, p, e_names) for name, p in experts}
-        e_ranks = {lay.rank for lay in e_layouts.values() if lay is not None}
-        G = state.axes.shard_size
+        e_layouts, e_tp_rank = _layouts(experts, expert_mesh, replicate_mesh)
         state.expert_axes = DPAxes(
             expert_mesh,
             replicate_mesh,
-            next(iter(e_ranks)) if e_ranks else _tp.tp_coordinate(expert_mesh, replicate_mesh, e_names),
+            e_tp_rank,
             desc="dmuon_expert",
-            grad_scale=expert_mesh.size() / G,
+            grad_scale=expert_mesh.size() / state.axes.shard_size,
             replicate_group=state.axes.replicate_group,
         )
         _check_coords(state.expert_axes, "expert_mesh (and replicate_mesh)")
-        hook_of.update({n: n.rpartition(".")[0] for n, _ in experts})
-        resolve_hook_modules(model, [n for n, _ in experts], lambda m: True)  # each stack's module has a forward
+        hook_of.update(resolve_hook_modules(model, [n for n, _ in experts], lambda m: True))  # each stack's module
         owned += _place(experts, state.expert_axes, e_layouts, hook_of, blocks)
 
     by_module: dict[str, list[DedicatedParam]] = {}
@@ -244,6 +238,15 @@ def _dedicate(
     state.ledger.current.clear()
     state.ledger.current_bytes.clear()
     return {dp.param: dp.owner_rank for dp in state.dparams}
+
+
+def _layouts(selected, mesh, replicate_mesh) -> tuple[dict[str, _tp.TPLayout | None], int]:
+    """Each selected param's TP layout over the DP meshes `mesh` (shard) and `replicate_mesh`, and this rank's TP
+    coordinate: its TP-sharded params' rank, else the one the meshes' root gives."""
+    dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
+    layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
+    ranks = {lay.rank for lay in layouts.values() if lay is not None}
+    return layouts, next(iter(ranks)) if ranks else _tp.tp_coordinate(mesh, replicate_mesh, dp_names)
 
 
 def _check_coords(axes: DPAxes, what: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .state import state_of, unwrap
@@ -19,7 +20,7 @@ def grads_sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
     norm per mesh (expert stacks live on another mesh than the dense params), materialized with `full_tensor()`;
     plain grads count as they are (replicated ones once: each rank has the same)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
-    by_mesh: dict[int, list[DTensor]] = {}
+    by_mesh: dict[DeviceMesh, list[DTensor]] = {}
     for g in grads:
         if isinstance(g, DTensor):
             by_mesh.setdefault(g.device_mesh, []).append(g)  # by value: FSDP2 builds one mesh object per TP param

@@ -145,6 +145,12 @@ def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Pa
     return found
 
 
+def moe_modules(model: nn.Module) -> list[nn.Module]:
+    """Every MoE-like module `apply_ep` would change (a `dispatcher` and an `experts` child with 3-D params), in
+    module order."""
+    return [module for _, module, _ in _moe_modules(model)]
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The `experts` child of every MoE-like module `apply_ep` would change (the same duck typing), in module
     order: what parallelize.py makes FSDP2 units of its own."""

@@ -14,7 +14,7 @@ from titan_dmuon.models.llama3 import head_blocks  # the same FQNs and `args.hea
 
 from .memory import activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
-from .moe import MoE, moe_stats, set_aux_loss_scale, update_moe_bias
+from .moe import MoE, moe_stats, update_moe_bias
 from .state_dict_adapter import Qwen3StateDictAdapter
 from .tensor_parallel import apply_tp
 
@@ -189,5 +189,4 @@ __all__ = [
     "MoE",
     "moe_stats",
     "update_moe_bias",
-    "set_aux_loss_scale",
 ]

@@ -329,12 +329,6 @@ def update_moe_bias(model: nn.Module, tokens_per_expert: torch.Tensor) -> None:
         layer.update_bias(counts)
 
 
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Set every MoE layer's `aux_loss_scale` (the trainer: 1 / gradient_accumulation_steps)."""
-    for layer in moe_layers(model):
-        layer.aux_loss_scale = scale
-
-
 def is_moe_layer(layer_id: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: Sequence[int]) -> bool:
     """HF's rule (Qwen3MoeDecoderLayer): sparse iff there are experts, the layer is not in mlp_only_layers and
     (layer_id + 1) is a multiple of decoder_sparse_step."""
@@ -353,6 +347,5 @@ __all__ = [
     "local_tensor",
     "moe_layers",
     "moe_stats",
-    "set_aux_loss_scale",
     "update_moe_bias",
 ]
