@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -82,9 +83,25 @@ NS_MAX_BATCH_ELEMENTS = 1 << 26
 dtype stay within a few times this (64M elements: 128 MB per copy in bf16)."""
 
 
-@functools.cache
+ENV_NATIVE_BF16 = "DMUON_CPU_NATIVE_BF16"
+"""Overrides `cpu_has_native_bf16`'s answer: "1" (as on a CPU with native bf16 matmuls) or "0" (as on one without).
+Machines of one kind differ in this CPU flag; the variable lets a run (or a test suite) take either path anywhere."""
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (oneDNN on AVX512-BF16 / AMX), checked once."""
+    """Whether this CPU runs bf16 matmuls natively (oneDNN on AVX512-BF16 / AMX), or what $DMUON_CPU_NATIVE_BF16
+    says when it is set."""
+    forced = os.environ.get(ENV_NATIVE_BF16, "").strip()
+    if forced in ("1", "0"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{ENV_NATIVE_BF16}={forced!r}: use 1 (native bf16 matmuls), 0 (none) or leave it unset")
+    return _detect_native_bf16()
+
+
+@functools.cache
+def _detect_native_bf16() -> bool:
+    """The CPU's own answer, checked once."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without the op
@@ -294,6 +311,7 @@ def get_ns_backend(
 
 
 __all__ = [
+    "ENV_NATIVE_BF16",
     "FORMULATIONS",
     "GRAM_RESTART_GAIN",
     "MUON_COEFFICIENTS",

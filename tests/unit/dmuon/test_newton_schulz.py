@@ -283,12 +283,14 @@ def test_output_dtype_is_requested(dtype, formulation):
         assert out.dtype == dtype and out.shape == G.shape
 
 
-def test_default_dtype_is_the_devices():
+def test_default_dtype_is_the_devices(native_bf16):
     """bf16 on CUDA and on a CPU with native bf16 matmuls, fp32 on any other CPU; NS without `dtype` runs in it."""
     from titan_dmuon.dmuon.newton_schulz import cpu_has_native_bf16
 
-    cpu = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert cpu_has_native_bf16() is native_bf16
+    cpu = torch.bfloat16 if native_bf16 else torch.float32
     assert default_ns_dtype(torch.device("cpu")) == cpu
+    assert default_ns_dtype("cpu") == cpu
     assert default_ns_dtype(torch.device("cuda", 0)) == torch.bfloat16
     G = randn(10, 14, seed=13, dtype=torch.float64)
     out = zeropower_via_newtonschulz(G, ns_steps=5, coefficients="muon")
@@ -299,12 +301,20 @@ def test_default_dtype_is_the_devices():
     assert out.dtype == cpu  # the device's dtype, not the input's
 
 
-def test_default_dtype_follows_native_bf16(monkeypatch):
+def test_native_bf16_is_the_cpus_unless_forced(monkeypatch):
+    """Unset, the answer is the CPU's own (oneDNN's check); "1"/"0" force it; anything else is an error naming the
+    variable, not a silent default."""
     from titan_dmuon.dmuon import newton_schulz
 
-    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(newton_schulz, "cpu_has_native_bf16", lambda native=native: native)
-        assert newton_schulz.default_ns_dtype("cpu") == want
+    monkeypatch.delenv(newton_schulz.ENV_NATIVE_BF16, raising=False)
+    want = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert newton_schulz.cpu_has_native_bf16() is want
+    for value, forced in (("1", True), ("0", False), (" 1 ", True)):
+        monkeypatch.setenv(newton_schulz.ENV_NATIVE_BF16, value)
+        assert newton_schulz.cpu_has_native_bf16() is forced
+    monkeypatch.setenv(newton_schulz.ENV_NATIVE_BF16, "yes")
+    with pytest.raises(ValueError, match="DMUON_CPU_NATIVE_BF16='yes'"):
+        newton_schulz.default_ns_dtype("cpu")
 
 
 def test_input_not_modified():
@@ -340,17 +350,19 @@ def test_ns_cost_is_half_ns_flops():
         assert ns_flops(shape, 5) == 2 * ns_cost(shape, 5)
 
 
-def test_get_ns_backend(monkeypatch):
+def test_get_ns_backend(monkeypatch, native_bf16):
     """Names the formulation, the kernel that will actually run and the NS dtype, on either kind of host."""
     monkeypatch.delenv("DMUON_NS_KERNEL", raising=False)
+    cpu_dtype = "bfloat16" if native_bf16 else "float32"
     if not torch.cuda.is_available():
-        assert get_ns_backend() == "Direct NS · kernel=torch (cpu, float32)"
+        assert get_ns_backend() == f"Direct NS · kernel=torch (cpu, {cpu_dtype})"
         assert get_ns_backend("cpu", torch.bfloat16, formulation="gram") == "Gram NS · kernel=torch (cpu, bfloat16)"
+        assert get_ns_backend("cpu", torch.float32) == "Direct NS · kernel=torch (cpu, float32)"
     else:
         major, minor = torch.cuda.get_device_capability()
         b = get_ns_backend(formulation="gram")
         assert b.startswith("Gram NS · kernel=") and b.endswith(f"(sm{major}{minor}, bfloat16)"), b
-    assert get_ns_backend("cpu", kernel="torch") == "Direct NS · kernel=torch (cpu, float32)"
+    assert get_ns_backend("cpu", kernel="torch") == f"Direct NS · kernel=torch (cpu, {cpu_dtype})"
     with pytest.raises(ValueError, match="formulation"):
         get_ns_backend(formulation="svd")
     with pytest.raises(ValueError, match="kernel"):

@@ -93,8 +93,8 @@ def test_owner_step_batches_same_shape_matrices(one_rank, monkeypatch):
         return real(mats, **kw)
 
     monkeypatch.setattr("titan_dmuon.dmuon.muon.orthogonalize_stack", spy)
-    batched = dmuon.Muon(model_a, ns_coefficients="muon")
-    one_by_one = dmuon.Muon(model_b, ns_coefficients="muon", ns_max_batch_elements=1)
+    batched = dmuon.Muon(model_a, ns_coefficients="muon", ns_dtype=torch.float32)
+    one_by_one = dmuon.Muon(model_b, ns_coefficients="muon", ns_max_batch_elements=1, ns_dtype=torch.float32)
     _train(model_a, batched)
     assert calls == [6, 6, 6]
     assert batched.last_step_stats["ns_calls"] == 6.0 and batched.last_step_stats["ns_time_s"] > 0
@@ -134,8 +134,8 @@ def test_gram_formulation_in_the_optimizer(one_rank):
     base = tiny()
     _, model_d = dedicated(copy.deepcopy(base))
     _, model_g = dedicated(copy.deepcopy(base))
-    _train(model_d, dmuon.Muon(model_d))
-    _train(model_g, dmuon.Muon(model_g, ns_formulation="gram"))
+    _train(model_d, dmuon.Muon(model_d, ns_dtype=torch.float32))
+    _train(model_g, dmuon.Muon(model_g, ns_formulation="gram", ns_dtype=torch.float32))
     sd, sg = dmuon.get_model_state_dict(model_d), dmuon.get_model_state_dict(model_g)
     for k in DEDICATED:
         assert rel(sg[k], sd[k]) < 1e-5, k
@@ -147,7 +147,7 @@ def test_muon_with_the_triton_kernel(syrk, one_rank):
     out = {}
     for kernel in ("torch", "triton"):
         _, model = dedicated(copy.deepcopy(base))
-        opt = dmuon.Muon(model, kernel=kernel, ns_formulation="gram")
+        opt = dmuon.Muon(model, kernel=kernel, ns_formulation="gram", ns_dtype=torch.float32)
         for step in range(2):
             opt.zero_grad()
             model(x(step)).backward()

@@ -169,7 +169,7 @@ def test_resolve_kernel(syrk, monkeypatch):
     monkeypatch.setenv(ns_ops.ENV_KERNEL, "triton")  # the variable overrides "auto", not an explicit kernel
     assert ns_ops.resolve_kernel("auto", cpu, torch.bfloat16) == "triton"
     assert ns_ops.resolve_kernel("torch", cpu, torch.bfloat16) == "torch"
-    assert get_ns_backend(cpu) == "Direct NS · kernel=triton (cpu, float32)"
+    assert get_ns_backend(cpu, torch.float32) == "Direct NS · kernel=triton (cpu, float32)"
     monkeypatch.setenv(ns_ops.ENV_KERNEL, "Torch ")
     assert ns_ops.resolve_kernel("auto", cpu, torch.float32) == "torch"
     monkeypatch.setenv(ns_ops.ENV_KERNEL, "cutlass")
