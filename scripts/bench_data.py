@@ -58,19 +58,21 @@ def _rss_mib(field: str) -> float:
     return float("nan")
 
 
-def startup_figures(rank: int, world: int, kw: dict) -> tuple[float, float, float]:
-    """In a process group of `world` ranks: this rank's seconds to its first batch and its growth of private and
-    of file-backed resident memory (MiB) over the imported baseline."""
+def startup_figures(rank: int, world: int, kw: dict) -> tuple[float, float, float, float]:
+    """In a process group of `world` ranks: this rank's seconds to its first batch, its growth of private and
+    of file-backed resident memory (MiB) over the imported baseline, and the CPU seconds it spent on the way (what
+    other jobs on a shared machine do not stretch)."""
     import torch.distributed as dist
 
     from titan_dmuon.data import ByteTokenizer, build_dataloader
 
     dist.barrier()
-    anon, file, start = _rss_mib("RssAnon"), _rss_mib("RssFile"), time.perf_counter()
+    anon, file = _rss_mib("RssAnon"), _rss_mib("RssFile")
+    start, cpu_start = time.perf_counter(), time.process_time()
     loader = build_dataloader(tokenizer=ByteTokenizer(), dp_rank=rank, dp_world_size=world, **kw)
     next(iter(loader))
-    elapsed = time.perf_counter() - start
-    figures = (elapsed, _rss_mib("RssAnon") - anon, _rss_mib("RssFile") - file)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    figures = (elapsed, _rss_mib("RssAnon") - anon, _rss_mib("RssFile") - file, cpu)
     dist.barrier()
     return figures
 
