@@ -17,6 +17,9 @@ if [[ ! -f "$CONFIG" && -f "$ROOT/train_configs/$CONFIG" ]]; then
     CONFIG="$ROOT/train_configs/$CONFIG"
 fi
 
+# A bad flag, config or path is one line and exit 2 before torchrun starts a rank (titan_dmuon/preflight.py).
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" env -u TITAN_DMUON_STATUS_DIR python -m titan_dmuon.preflight --config "$CONFIG" "$@"
+
 # Each rank writes its exit status (and its one-line message) here and exits 0, so torchrun does not bury it under a
 # traceback of its own (titan_dmuon/exit_status.py); a crash still exits non-zero and torchrun reports it.
 TITAN_DMUON_STATUS_DIR="$(mktemp -d)"

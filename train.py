@@ -22,9 +22,11 @@ logger = logging.getLogger("train")
 def main(argv: list[str] | None = None) -> int:
     """The run's exit status, through `exit_status.report` (which our launchers read)."""
     from titan_dmuon.exit_status import register, report
+    from titan_dmuon.preflight import check_paths
 
     register()  # under a launcher: its signals come to this process, not to torchrun
-    cfg = parse_args_or_exit(argv)  # exits 2 naming the key on a config error, before torch is even imported
+    # Exits 2 naming the key on a config error or a missing path (data, tokenizer, weights), before torch is imported.
+    cfg = parse_args_or_exit(argv, check=check_paths)
     if cfg.job.dry_run:
         return _dry_run(cfg)
     try:

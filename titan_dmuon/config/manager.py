@@ -1,24 +1,22 @@
-"""Build a JobConfig: defaults <- TOML file (--config) <- CLI flags (tyro), then validate.
+"""Build a JobConfig: defaults <- TOML file (--config) <- CLI flags (--section.field value), then validate.
 
-TOML values are type-checked here against the dataclass annotations (tyro only sees the CLI), so a typo
-or a wrong type in a config file fails at start-up with the file, the key and the fix, not mid-run.
+TOML values and CLI flags are type-checked here against the dataclass annotations, by one checker (`_coerce`;
+a flag's text is first read as its field's type), so a typo or a wrong type in a config file or on the command line
+fails at start-up with one line naming the key or flag and the fix, not mid-run. tyro only prints `--help` (it
+reads the field docstrings).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import io
 import json
 import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
-
-import tyro
 
 from titan_dmuon.config.job_config import ConfigError, JobConfig, require
 
@@ -105,7 +103,19 @@ def _all_leaves() -> dict[str, Any]:
     return {k: v for section, cls in _sections().items() for k, v in _leaves(cls, section).items()}
 
 
-def _bad_value_message(key: str, value: Any, tp: Any, where: str) -> str:
+def _values_name(tp: Any) -> str:
+    """What a tuple field takes on the command line: `2 values (float, float)`."""
+    args = typing.get_args(tp)
+    return f"{len(args)} values ({', '.join(_type_name(a) for a in args)})"
+
+
+def _bad_value_message(key: str, value: Any, tp: Any, where: str, *, flag: bool = False) -> str:
+    """Why `value` does not fit `key`, of type `tp`. With `flag`, `key` is a command-line flag and `value` its text
+    (a list of texts for a tuple field): its Python type says nothing, what the field takes does."""
+    if flag:
+        if typing.get_origin(tp) is tuple:
+            return f"wrong value for {key}: expected {_values_name(tp)}, got {' '.join(value)!r}"
+        return f"wrong value for {key}: expected {_type_name(tp)}, got {value!r}"
     if typing.get_origin(tp) is Literal:
         allowed = ", ".join(repr(a) for a in typing.get_args(tp))
         return f"invalid value {value!r} for {key}{where}: allowed values are {allowed}"
@@ -121,14 +131,19 @@ def _closest(name: str, candidates: Sequence[str]) -> str | None:
 # TOML
 
 
-def _unknown_key_message(path: str, key: str, where: str) -> str:
-    """Name the closest valid key: the same name in another table (a misplaced key), else a near miss under
-    this table, else a near miss anywhere."""
+def _closest_key(path: str, key: str) -> str | None:
+    """The closest valid dotted key to `path.key`: the same name in another table (a misplaced key), else a near
+    miss under this table, else a near miss anywhere."""
     all_keys = list(_all_leaves())
     hint = next((k for k in all_keys if k.rsplit(".", 1)[1] == key), None)
     if hint is None:
         here = [k for k in all_keys if k.startswith(f"{path}.")]
         hint = _closest(f"{path}.{key}", here) or _closest(f"{path}.{key}", all_keys)
+    return hint
+
+
+def _unknown_key_message(path: str, key: str, where: str) -> str:
+    hint = _closest_key(path, key)
     msg = f"unknown key {path}.{key}{where}"
     if hint:
         return msg + f"; did you mean {hint}?"
@@ -324,7 +339,7 @@ def _replicas_per_node(world_size: int, ranks_per_node: int | None, dp_shard: in
 
 
 def _split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Take `--config PATH` / `--config=PATH` out of argv (tyro never sees it)."""
+    """Take `--config PATH` / `--config=PATH` out of argv (anywhere in it; the last one wins)."""
     path, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -341,24 +356,111 @@ def _split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def _normalize_bools(argv: list[str]) -> list[str]:
-    """Accept TOML-style true/false (any case) for bool flags, and a bool flag with no value as true
-    (`--job.dry_run`); tyro only takes True/False."""
-    bool_flags = {f"--{path}" for path, tp in _all_leaves().items() if tp is bool}
-    out = []
-    for i, arg in enumerate(argv):
-        flag, eq, val = arg.partition("=")
-        flag = flag.replace("-", "_").replace("__", "--", 1) if flag.startswith("--") else flag
-        if eq and flag in bool_flags and val.lower() in ("true", "false"):
-            arg = f"{arg.partition('=')[0]}={val.capitalize()}"
-        elif i > 0 and arg.lower() in ("true", "false"):
-            prev = argv[i - 1].replace("-", "_").replace("__", "--", 1)
-            if prev in bool_flags:
-                arg = arg.capitalize()
-        out.append(arg)
-        if not eq and flag in bool_flags and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            out.append("True")
-    return out
+def _from_text(text: str, tp: Any) -> Any:
+    """The value `text` spells for a field of type `tp` (booleans as true/false in any case, `None` for an optional
+    field), or `text` itself where it spells none: `_coerce` then rejects it, as it rejects a TOML value."""
+    if _is_union(tp):
+        args = sorted(typing.get_args(tp), key=lambda a: a is not type(None))  # `None` is None, not the text "None"
+        for arg in args:
+            value = _from_text(text, arg)
+            if _coerce(value, arg)[0]:
+                return value
+        return text
+    if tp is type(None):
+        return None if text.lower() == "none" else text
+    if tp is bool:
+        return {"true": True, "false": False}.get(text.lower(), text)
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            return text
+    if typing.get_origin(tp) is Literal:
+        return next((a for a in typing.get_args(tp) if str(a) == text), text)
+    return text
+
+
+def _is_flag(arg: str) -> bool:
+    """`--name...` is a flag; anything else is a value (a negative number too: `-1`)."""
+    return arg.startswith("--")
+
+
+def _flag_hint(name: str) -> str | None:
+    """The closest valid flag to `--name` (`name` with underscores), as _closest_key finds a TOML key's."""
+    path, _, key = name.rpartition(".")
+    hint = _closest_key(path, key)
+    return f"--{hint}" if hint else None
+
+
+def _stray_message(arg: str, after: str | None) -> str:
+    """A value no flag takes: `train.py foo`, one value too many, a flag spelled with one dash."""
+    msg = f"unexpected argument {arg!r}" + (f" after {after}" if after else "")
+    hint = f"--config {arg}" if arg.endswith(".toml") else None
+    if hint is None and arg.startswith("-") and not arg.lstrip("-")[:1].isdigit():
+        hint = _flag_hint(arg.lstrip("-").partition("=")[0].replace("-", "_"))
+    return msg + (f"; did you mean {hint}?" if hint else "; settings are flags: --section.field value (see --help)")
+
+
+def _unknown_flag_message(flag: str, name: str, leaves: Sequence[str]) -> str:
+    msg = f"unknown flag {flag}"
+    under = [k for k in leaves if k.startswith(f"{name}.")]
+    if under:  # a table (`--optimizer.muon`), not a value
+        return msg + f": [{name}] is a table, set its keys (e.g. --{under[0]})"
+    hint = _flag_hint(name)
+    return msg + (f"; did you mean {hint}?" if hint else "; see --help for the flags")
+
+
+def _parse_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """{dotted key: value} from `--section.field value` flags (`--a.b=value` too; `-` for `_` in names; a tuple field
+    takes its values one after another; a bool flag without a value is true; the last of a repeated flag wins).
+    Each value is read as its field's type, then checked by `_coerce` as a TOML value is; a mistake raises
+    ConfigError naming the flag and what it takes."""
+    leaves = _all_leaves()
+    values: dict[str, Any] = {}
+    i, after = 0, None
+    while i < len(argv):
+        start, arg = i, argv[i]
+        if not _is_flag(arg) or arg == "--":
+            raise ConfigError(_stray_message(arg, after))
+        flag, eq, inline = arg.partition("=")
+        name = flag[2:].replace("-", "_")
+        if name not in leaves:
+            raise ConfigError(_unknown_flag_message(flag, name, list(leaves)))
+        tp = leaves[name]
+        arity = len(typing.get_args(tp)) if typing.get_origin(tp) is tuple else 1
+        texts = [inline] if eq else []
+        i += 1
+        while len(texts) < arity and i < len(argv) and not _is_flag(argv[i]):
+            texts.append(argv[i])
+            i += 1
+        after = " ".join(argv[start:i])
+        if not texts:
+            if tp is not bool:
+                raise ConfigError(
+                    f"missing value for {flag}: expected {_values_name(tp) if arity > 1 else _type_name(tp)}"
+                )
+            values[name] = True
+            continue
+        if arity == 1:
+            value = _from_text(texts[0], tp)
+        elif len(texts) == arity:
+            value = [_from_text(t, a) for t, a in zip(texts, typing.get_args(tp), strict=True)]
+        else:
+            raise ConfigError(_bad_value_message(flag, texts, tp, "", flag=True))
+        ok, converted = _coerce(value, tp)
+        if not ok:
+            raise ConfigError(_bad_value_message(flag, texts if arity > 1 else texts[0], tp, "", flag=True))
+        values[name] = converted
+    return values
+
+
+def _help(base: JobConfig) -> typing.NoReturn:
+    """tyro's --help (every flag with its field docstring and its default, `base`'s value); exits 0."""
+    import tyro  # only here: a run, or a mistake, does not wait for it
+
+    # use_underscores: --help spells flags as the docs, the configs and the error messages do (--job.dry_run)
+    tyro.cli(JobConfig, default=base, args=["--help"], config=(tyro.conf.FlagConversionOff,), use_underscores=True)
+    raise AssertionError("tyro --help returned")  # pragma: no cover
 
 
 class ConfigManager:
@@ -368,28 +470,33 @@ class ConfigManager:
         self.config_path: str | None = None
         self.config: JobConfig | None = None
 
-    def parse_args(self, argv: Sequence[str] | None = None) -> JobConfig:
-        """Raises ConfigError for config-file and validation errors; tyro exits with code 2 (and names
-        the flag) for unknown or malformed CLI flags, and prints --help."""
+    def parse_args(
+        self, argv: Sequence[str] | None = None, check: Callable[[JobConfig], None] | None = None
+    ) -> JobConfig:
+        """Raises ConfigError for every config mistake: in the file, in a flag, in the validated values.
+        `--help` (`-h`) prints every flag with its docstring and exits 0 (SystemExit). `check` runs on the parsed
+        config before it is validated: validation imports the optimizer library (and torch), a launch's path checks
+        (titan_dmuon/preflight.py) are meant to answer before that."""
         argv = list(sys.argv[1:] if argv is None else argv)
         self.config_path, rest = _split_config_flag(argv)
-        base = load_toml(self.config_path) if self.config_path else JobConfig()
-        # use_underscores: --help spells flags as the docs, the configs and the error messages do (--job.dry_run); tyro
-        # still accepts the hyphenated spelling
-        cfg = tyro.cli(
-            JobConfig,
-            default=base,
-            args=_normalize_bools(rest),
-            config=(tyro.conf.FlagConversionOff,),
-            use_underscores=True,
-        )
+        cfg = load_toml(self.config_path) if self.config_path else JobConfig()
+        if "--help" in rest or "-h" in rest:
+            _help(cfg)
+        for name, value in _parse_flags(rest).items():
+            *tables, key = name.split(".")
+            obj = cfg
+            for table in tables:
+                obj = getattr(obj, table)
+            setattr(obj, key, value)
+        if check is not None:
+            check(cfg)
         self.config = validate_config(cfg)
         return self.config
 
 
-def parse_args(argv: Sequence[str] | None = None) -> JobConfig:
-    """ConfigManager().parse_args(argv)."""
-    return ConfigManager().parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None, check: Callable[[JobConfig], None] | None = None) -> JobConfig:
+    """ConfigManager().parse_args(argv, check)."""
+    return ConfigManager().parse_args(argv, check)
 
 
 def report_config_error(e: ConfigError) -> int:
@@ -400,26 +507,13 @@ def report_config_error(e: ConfigError) -> int:
     return report(2, f"config error: {e}")
 
 
-def parse_args_or_exit(argv: Sequence[str] | None = None) -> JobConfig:
-    """For entry points: a ConfigError exits through `report_config_error` (status 2); tyro exits 2 for an unknown
-    or malformed flag, with its own message. Under our launchers (titan_dmuon/exit_status.py) both messages
-    go to the launcher, which prints each distinct one once, instead of once per rank."""
-    from titan_dmuon.exit_status import ENV, report
-
-    captured = io.StringIO()
-    capture = bool(os.environ.get(ENV))
-    redirect = contextlib.ExitStack()
-    if capture:
-        redirect.enter_context(contextlib.redirect_stdout(captured))
-        redirect.enter_context(contextlib.redirect_stderr(captured))
+def parse_args_or_exit(
+    argv: Sequence[str] | None = None, check: Callable[[JobConfig], None] | None = None
+) -> JobConfig:
+    """For entry points: a ConfigError (a bad file, flag or value, or one `check` raises) exits through
+    `report_config_error`: one line, status 2 (under our launchers, titan_dmuon/exit_status.py, the line goes to the
+    launcher, which prints each distinct one once, instead of once per rank). `--help` exits 0."""
     try:
-        with redirect:
-            return parse_args(argv)
+        return parse_args(argv, check)
     except ConfigError as e:
         raise SystemExit(report_config_error(e)) from None
-    except SystemExit as e:  # tyro: --help (0) or a bad flag (2), its text captured under a launcher
-        text = captured.getvalue()
-        if capture and e.code not in (0, None):
-            raise SystemExit(report(int(e.code), text.rstrip())) from None
-        print(text, end="")
-        raise

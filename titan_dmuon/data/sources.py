@@ -402,11 +402,7 @@ def build_raw_source(
     ``parquet`` (column ``dataset_field``). Byte-range units are sized to give about ``min_units`` of them."""
     if dataset == "stdlib":
         return stdlib_source()
-    if dataset not in _SUFFIXES:
-        raise DataError(f"unknown dataset kind {dataset!r}; choose one of {RAW_DATASETS} or 'tokens'")
-    if not dataset_path:
-        raise DataError(f"dataset {dataset!r} needs a dataset path (a file, a folder or a glob)")
-    files = list_files(dataset_path, _SUFFIXES[dataset])
+    files = raw_files(dataset, dataset_path)
     if dataset == "parquet":
         return ParquetSource(files, dataset_field or "text", dataset_path)
     if dataset == "text" and text_documents == "file":
@@ -415,6 +411,16 @@ def build_raw_source(
         raise DataError(f"text_documents must be one of {TEXT_DOCUMENTS}, got {text_documents!r}")
     kind = "jsonl" if dataset == "jsonl" else "paragraphs"
     return RecordSource(files, kind, dataset_field or "text", chunk_bytes_for(files, min_units), dataset_path)
+
+
+def raw_files(dataset: str, dataset_path: str) -> list[str]:
+    """The files of a ``text``, ``jsonl`` or ``parquet`` dataset at ``dataset_path``; ``DataError`` naming the path
+    when there are none (also what a launch checks before its start-up, titan_dmuon/preflight.py)."""
+    if dataset not in _SUFFIXES:
+        raise DataError(f"unknown dataset kind {dataset!r}; choose one of {RAW_DATASETS} or 'tokens'")
+    if not dataset_path:
+        raise DataError(f"dataset {dataset!r} needs a dataset path (a file, a folder or a glob)")
+    return list_files(dataset_path, _SUFFIXES[dataset])
 
 
 def iter_documents(source: RawSource, max_docs: int | None = None) -> Iterator[str]:

@@ -212,20 +212,222 @@ def test_range_validation(tmp_path):
             parse_args(argv)
 
 
-def test_cli_errors_exit_nonzero(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
+def test_cli_errors_exit_nonzero(tmp_path, capsys, monkeypatch):
+    """A flag mistake is a ConfigError, as a TOML mistake is: through the entry point one `config error:` line on
+    stderr, nothing else, exit 2; under our launchers the line goes to the rank's status file (the launcher prints
+    it)."""
+    from titan_dmuon.exit_status import ENV
+
+    with pytest.raises(ConfigError, match=r"^unknown flag --training\.stepz; did you mean --training\.steps\?$"):
         parse_args(["--training.stepz", "5"])
-    assert e.value.code != 0
-    assert "--training.stepz" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(ConfigError) as e:
         parse_args(["--lr_scheduler.decay_type", "exp"])
-    assert e.value.code != 0
-    with pytest.raises(SystemExit) as e:
-        parse_args_or_exit(["--config", str(tmp_path / "missing.toml")])
-    assert e.value.code == 2
-    assert "config file not found" in capsys.readouterr().err
+    assert str(e.value) == (
+        "wrong value for --lr_scheduler.decay_type: expected one of 'linear', 'cosine', 'sqrt', got 'exp'"
+    )
+    monkeypatch.delenv(ENV, raising=False)
+    for argv, line in [
+        (["--training.stepz", "5"], "unknown flag --training.stepz; did you mean --training.steps?"),
+        (["--training.steps", "ten"], "wrong value for --training.steps: expected int, got 'ten'"),
+        (["--config", str(tmp_path / "missing.toml")], f"config file not found: {tmp_path / 'missing.toml'}"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            parse_args_or_exit(argv)
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"config error: {line}\n")
     with pytest.raises(ConfigError, match="--config needs a path"):
         parse_args(["--config"])
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as e:
+        parse_args_or_exit(["--training.steps"])
+    assert e.value.code == 0 and capsys.readouterr() == ("", "")  # the launcher speaks for the ranks
+    assert (tmp_path / "rank-3").read_text() == "2\nconfig error: missing value for --training.steps: expected int\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        (["--training.step", "10"], "unknown flag --training.step; did you mean --training.steps?"),
+        (["--training.steps", "ten"], "wrong value for --training.steps: expected int, got 'ten'"),
+        (
+            ["--lr_scheduler.decay_type", "exp"],
+            "wrong value for --lr_scheduler.decay_type: expected one of 'linear', 'cosine', 'sqrt', got 'exp'",
+        ),
+        (["--training.steps"], "missing value for --training.steps: expected int"),
+        (["foo"], "unexpected argument 'foo'; settings are flags: --section.field value (see --help)"),
+    ],
+    ids=["unknown-flag", "wrong-int", "bad-choice", "missing-value", "stray-positional"],
+)
+def test_cli_mistake_through_train_py_is_one_line_exit_2_without_torch(flag, expected):
+    """`python train.py --config ... <mistake>` as a user types it: exit 2, one line naming the flag and the fix
+    (not a box of tyro's, not the value taken for a flag), and torch never imported (-X importtime lists every
+    module imported, on stderr, in lines of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    from titan_dmuon.exit_status import ENV
+
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    argv = [sys.executable, "-X", "importtime", "train.py", "--config", "train_configs/debug_model.toml", *flag]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    imported = [ln.rsplit("|", 1)[1].strip() for ln in lines if ln.startswith("import time:")]
+    assert "titan_dmuon.config.manager" in imported  # the trace is there to read
+    assert not [m for m in imported if m.split(".")[0] == "torch"]
+    said = [ln for ln in lines if not ln.startswith("import time:")]
+    assert (proc.returncode, said) == (2, [f"config error: {expected}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "expected"),
+    [
+        (["--training.steps", "5"], "training.steps", 5),
+        (["--training.steps=5"], "training.steps", 5),
+        (["--training.local-batch-size", "3"], "training.local_batch_size", 3),
+        (["--training.local-batch-size=3"], "training.local_batch_size", 3),
+        (["--lr-scheduler.warmup-steps", "4"], "lr_scheduler.warmup_steps", 4),
+        (["--training.steps", "5", "--training.steps", "6"], "training.steps", 6),  # the last one wins
+        (["--optimizer.muon.lr", "1"], "optimizer.muon.lr", 1.0),  # an int for a float, as in TOML
+        (["--optimizer.muon.lr", "1e-3"], "optimizer.muon.lr", 1e-3),
+        (["--compile.enable"], "compile.enable", True),  # no value, at the end
+        (["--compile.enable", "--training.steps", "4"], "compile.enable", True),  # no value, before a flag
+        *((["--compile.enable", text], "compile.enable", text.lower() == "true") for text in ["true", "True", "TRUE"]),
+        *((["--compile.enable", text], "compile.enable", False) for text in ["false", "False", "FALSE"]),
+        (["--compile.enable=false"], "compile.enable", False),
+        (["--compile.enable=TRUE"], "compile.enable", True),
+        (["--training.seed", "None"], "training.seed", None),
+        (["--training.seed", "7"], "training.seed", 7),
+        (["--lr_scheduler.decay_ratio", "None"], "lr_scheduler.decay_ratio", None),
+        (["--lr_scheduler.decay_ratio", "0.25"], "lr_scheduler.decay_ratio", 0.25),
+        (["--optimizer.adamw.betas", "0.5", "0.6"], "optimizer.adamw.betas", (0.5, 0.6)),
+        (["--optimizer.adamw.betas=0.5", "0.6"], "optimizer.adamw.betas", (0.5, 0.6)),
+        (["--optimizer.adamw.betas", "0", "0"], "optimizer.adamw.betas", (0.0, 0.0)),  # ints for floats
+        (
+            ["--parallelism.data_parallel_replicate_degree", "nodes"],
+            "parallelism.data_parallel_replicate_degree",
+            "nodes",
+        ),
+        (["--parallelism.data_parallel_replicate_degree", "2"], "parallelism.data_parallel_replicate_degree", 2),
+        (["--parallelism.data_parallel_shard_degree", "-1"], "parallelism.data_parallel_shard_degree", -1),
+        (["--parallelism.data_parallel_shard_degree=-1"], "parallelism.data_parallel_shard_degree", -1),
+        (["--lr_scheduler.decay_type", "cosine"], "lr_scheduler.decay_type", "cosine"),
+        (["--activation_checkpoint.mode", "none"], "activation_checkpoint.mode", "none"),  # a choice, not None
+        (["--job.description", "None"], "job.description", "None"),  # a str field: the text
+        (["--job.description", "two words"], "job.description", "two words"),
+        (["--job.description=a=b"], "job.description", "a=b"),
+        (["--job.description", "-x"], "job.description", "-x"),
+        (["--job.description="], "job.description", ""),
+    ],
+)
+def test_cli_flag_spellings(argv, key, expected):
+    cfg = parse_args(argv)
+    section, *path = key.split(".")
+    value = getattr(cfg, section)
+    for name in path:
+        value = getattr(value, name)
+    assert value == expected and type(value) is type(expected)
+    if isinstance(expected, tuple):
+        assert all(type(v) is float for v in value)
+
+
+def test_cli_none_is_none_for_any_optional_field():
+    """No `str | None` field yet: `None` must not become the text "None" when one comes (nor for a plain str)."""
+    from titan_dmuon.config.manager import _from_text
+
+    assert _from_text("None", str | None) is None and _from_text("none", None | str) is None
+    assert _from_text("None", str) == "None" and _from_text("x", str | None) == "x"
+
+
+def test_cli_flags_with_the_config_anywhere(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n")
+    for argv in (
+        ["--config", path, "--training.seq_len", "32"],
+        ["--training.seq_len", "32", "--config", path],
+        ["--training.seq_len", "32", f"--config={path}"],
+        ["--job.dry_run_world_size", "2", "--config", path, "--job.dry-run", "--training.seq_len", "32"],
+    ):
+        cfg = parse_args(argv)
+        assert (cfg.training.steps, cfg.training.seq_len) == (7, 32), argv
+    assert cfg.job.dry_run is True and cfg.job.dry_run_world_size == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--training.steps", "2.5"], "wrong value for --training.steps: expected int, got '2.5'"),
+        (["--training.steps", "None"], "wrong value for --training.steps: expected int, got 'None'"),
+        (["--training.steps="], "wrong value for --training.steps: expected int, got ''"),
+        (["--training.seed", "nan"], "wrong value for --training.seed: expected int or None, got 'nan'"),
+        (["--optimizer.muon.lr", "fast"], "wrong value for --optimizer.muon.lr: expected float, got 'fast'"),
+        (["--compile.enable", "yes"], "wrong value for --compile.enable: expected bool, got 'yes'"),
+        (["--compile.enable", "1"], "wrong value for --compile.enable: expected bool, got '1'"),
+        (["--compile.enable="], "wrong value for --compile.enable: expected bool, got ''"),
+        (
+            ["--parallelism.data_parallel_replicate_degree", "node"],
+            "wrong value for --parallelism.data_parallel_replicate_degree: expected int or one of 'nodes', got 'node'",
+        ),
+        (
+            ["--activation_checkpoint.mode", "None"],
+            "wrong value for --activation_checkpoint.mode: expected one of 'none', 'selective', 'full', got 'None'",
+        ),
+        (
+            ["--optimizer.adamw.betas", "0.5"],
+            "wrong value for --optimizer.adamw.betas: expected 2 values (float, float), got '0.5'",
+        ),
+        (
+            ["--optimizer.adamw.betas", "0.5", "--training.steps", "3"],
+            "wrong value for --optimizer.adamw.betas: expected 2 values (float, float), got '0.5'",
+        ),
+        (
+            ["--optimizer.adamw.betas", "0.5", "high"],
+            "wrong value for --optimizer.adamw.betas: expected 2 values (float, float), got '0.5 high'",
+        ),
+        (["--optimizer.adamw.betas"], "missing value for --optimizer.adamw.betas: expected 2 values (float, float)"),
+        (["--optimizer.muon.lr", "--training.steps", "3"], "missing value for --optimizer.muon.lr: expected float"),
+        (["--training.seed"], "missing value for --training.seed: expected int or None"),
+        (
+            ["--training.steps", "3", "4"],
+            "unexpected argument '4' after --training.steps 3; settings are flags: --section.field value (see --help)",
+        ),
+        (
+            ["--optimizer.adamw.betas", "0.5", "0.6", "0.7"],
+            "unexpected argument '0.7' after --optimizer.adamw.betas 0.5 0.6; settings are flags: --section.field "
+            "value (see --help)",
+        ),
+        (
+            ["--compile.enable=true", "false"],
+            "unexpected argument 'false' after --compile.enable=true; settings are "
+            "flags: --section.field value (see --help)",
+        ),
+        (["debug.toml"], "unexpected argument 'debug.toml'; did you mean --config debug.toml?"),
+        (["-training.steps", "3"], "unexpected argument '-training.steps'; did you mean --training.steps?"),
+        (["--", "x"], "unexpected argument '--'; settings are flags: --section.field value (see --help)"),
+        (["--training.step=10"], "unknown flag --training.step; did you mean --training.steps?"),
+        (["--steps", "3"], "unknown flag --steps; did you mean --training.steps?"),
+        # the same name in another section or sub-table first, as for a TOML key
+        (
+            ["--optimizer.warmup_steps", "3"],
+            "unknown flag --optimizer.warmup_steps; did you mean --lr_scheduler.warmup_steps?",
+        ),
+        (["--optimizer.lr", "0.01"], "unknown flag --optimizer.lr; did you mean --optimizer.muon.lr?"),
+        (
+            ["--optimizer.muon.momentun", "0.9"],
+            "unknown flag --optimizer.muon.momentun; did you mean --optimizer.muon.momentum?",
+        ),
+        (
+            ["--optimizer.muon", "3"],
+            "unknown flag --optimizer.muon: [optimizer.muon] is a table, set its keys (e.g. --optimizer.muon.lr)",
+        ),
+    ],
+)
+def test_cli_flag_mistakes(argv, expected):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert str(e.value) == expected
 
 
 def test_help_shows_field_docs(capsys):
@@ -240,6 +442,9 @@ def test_help_shows_field_docs(capsys):
     assert "--optimizer.muon.lr" in out and "Muon learning rate" in out
     # and the hyphenated spelling still parses
     assert parse_args(["--training.local-batch-size", "3"]).training.local_batch_size == 3
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--training.stepz", "-h"])  # -h too, whatever else is there
+    assert e.value.code == 0 and "Muon learning rate" in capsys.readouterr().out
 
 
 def test_validate_parallelism():
