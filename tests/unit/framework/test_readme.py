@@ -83,3 +83,16 @@ def test_readme_flags_exist(monkeypatch) -> None:
             assert "." in flag and flag[2:] in config, f"README: {' '.join(words)}: {flag} is not a flag of {script}"
             checked += 1
     assert checked >= 10  # the README's commands were found and read
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """The README opens with two commands, train then test; `.ci/run` runs the test one verbatim (its install of the
+    test extra included), and the train command installs the project without extras: what training needs."""
+    text = (REPO / "README.md").read_text()
+    first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S)[1].strip().splitlines()
+    assert len(first_block) == 2, first_block
+    train, test = first_block
+    assert "train.py --config" in train and "pip install -c requirements/constraints.txt -e . &&" in train, train
+    assert '-e ".[test]"' in test and test.endswith("python3 -m pytest -q tests"), test
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == test, ci[-1]
