@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -59,6 +60,8 @@ class Trainer:
         self.stop_signals = StopSignals()  # installed around the training loop
         self.stop_agreed = False  # every rank saw a stop signal's flag after the last step
         self.tokens_seen = 0  # over all DP ranks
+        self.last_loss = math.nan  # the loss of the last step this run trained
+        self.complete = False  # the checkpoint loaded is at or past training.steps: nothing to train or write
         self.elapsed_before = 0.0  # training wall time of the runs this one resumes (from the checkpoint)
         self._train_start: float | None = None  # when this run's training loop started (perf_counter)
         self.checkpointer: CheckpointManager | None = None
@@ -182,6 +185,11 @@ class Trainer:
         )
         self.step, self.tokens_seen = self.checkpointer.load()
         self.elapsed_before = self.checkpointer.elapsed_s
+        # A checkpoint at or past training.steps: the run is complete, and its rerun writes nothing (no events file,
+        # no config.toml, no W&B run, no checkpoint); `train` says so and which flag trains further.
+        self.complete = self.step >= t.steps
+        if self.complete:
+            return
         if self.step:
             logger.info("Resumed at step %d (%s tokens seen)", self.step, f"{self.tokens_seen:,}")
         # 12. Metrics (rank 0 writes), and the resolved config (the seed it drew, if random) beside them. The first
@@ -336,6 +344,16 @@ class Trainer:
 
     def _train(self) -> None:
         cfg, t = self.cfg, self.cfg.training
+        if self.complete:
+            logger.info(
+                "Nothing to do: the run is complete at step %d (checkpoint %s, training.steps = %d); nothing was "
+                "written. To train further, rerun with --training.steps M (M > %d)",
+                self.step,
+                self.checkpointer.folder / f"step-{self.step}",
+                t.steps,
+                self.step,
+            )
+            return
         log_freq = cfg.metrics.log_freq
         data_iter = iter(self.dataloader)
         logger.info(
@@ -361,6 +379,7 @@ class Trainer:
                 for i, group in enumerate(self.optimizer.param_groups):
                     lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
                 loss, grad_norm, ntokens = self.train_step(data_iter)
+                self.last_loss = loss
                 self.runtime.use_train_timeout()  # set-up and this process's first step (compile) are done
                 interval_tokens += ntokens
                 self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
@@ -400,7 +419,24 @@ class Trainer:
                 snapshot.step()
                 if "loss/train" in scalars:  # logging, validation and trace export are not training time
                     interval_start = time.perf_counter()
-        logger.info("Training done: %d steps", self.step)
+        logger.info("%s", self._done_line())
+
+    def _done_line(self) -> str:
+        """The last line of a finished run: where it ended and where its outputs are."""
+        cfg = self.cfg
+        line = (
+            f"Training done: {self.step} steps, final loss {self.last_loss:.4f}, {self.tokens_seen:,} tokens seen, "
+            f"{datetime.timedelta(seconds=round(self.elapsed_s()))} of training"
+        )
+        where = []
+        if cfg.checkpoint.enable and self.checkpointer.saved_step is not None:
+            where.append(f"checkpoint {self.checkpointer.folder / f'step-{self.checkpointer.saved_step}'}")
+            if cfg.checkpoint.last_save_in_hf:
+                where.append(f"Hugging Face export {self.checkpointer.hf_folder(self.checkpointer.saved_step)}")
+        if self.metrics.writer is not None:
+            where.append(f"TensorBoard {self.metrics.log_dir}")
+        where.append(f"config {os.path.join(cfg.job.dump_folder, 'config.toml')}")
+        return f"{line}; {', '.join(where)}"
 
     def elapsed_s(self, now: float | None = None) -> float:
         """Training wall time so far, across resumes: the earlier runs' (saved in the checkpoint's train state)
@@ -440,14 +476,28 @@ class Trainer:
         self.runtime.close(graceful)  # graceful: frees the groups now, joining gloo's threads
 
 
+LOG_LEVEL_ENV = "TITAN_DMUON_LOG_LEVEL"
+
+
 def set_up_logging(rank: int | None = None) -> None:
-    """INFO on rank 0, WARNING elsewhere (rank from $RANK when not given)."""
+    """INFO on rank 0, WARNING elsewhere (rank from $RANK when not given). $TITAN_DMUON_LOG_LEVEL (DEBUG, INFO,
+    WARNING, ERROR) sets rank 0's level for titan_dmuon's own messages instead: DEBUG adds the machine-readable
+    records (the checkpoint memory JSON) without the DEBUG chatter of other libraries."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    name = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    level = logging.getLevelName(name) if name else logging.INFO
+    bad = not isinstance(level, int)
+    if bad:
+        level = logging.INFO
+    mine = level if rank == 0 else max(level, logging.WARNING)
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=max(mine, logging.INFO),
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    logging.getLogger("titan_dmuon").setLevel(mine if name else logging.NOTSET)
+    if bad:
+        logger.warning("%s=%s is not a logging level (DEBUG, INFO, WARNING, ERROR): using INFO", LOG_LEVEL_ENV, name)
 
 
-__all__ = ["Trainer", "TrainingDivergedError", "set_up_logging"]
+__all__ = ["LOG_LEVEL_ENV", "Trainer", "TrainingDivergedError", "set_up_logging"]

@@ -194,10 +194,10 @@ GIB = 2.0**30
         ("qwen3_30b_a3b.toml", 16, []),
         ("qwen3_235b_a22b.toml", 256, []),
     ],
-    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4 (README)", "30B-A3B-16 (EP 8)", "235B-A22B-256 (EP 8)"],
+    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4", "30B-A3B-16 (EP 8)", "235B-A22B-256 (EP 8)"],
 )
 def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) -> None:
-    """At the cluster each config's header names (and the README's 70B command), within a minute of CPU (the
+    """At the cluster each config's header names (and docs/training.md's 70B / 256 command), within a minute of CPU (the
     process: imports included) and 4 GiB of RSS, each fits an 80 GiB device, and says so."""
     argv = ["--config", f"train_configs/{config}", *extra]
     planned, seconds = dry_run(argv, world, tmp_path / "plan.json", cold=True)

@@ -92,7 +92,8 @@ def _command(nproc: int) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    # DEBUG: the machine-readable checkpoint memory records (`memory_rows`) beside the readable lines
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TITAN_DMUON_LOG_LEVEL": "DEBUG"}
 
 
 def launch(layout: str, dump: Path, *args: str, tb: str = "tb", timeout: float = 300) -> subprocess.CompletedProcess:
@@ -118,6 +119,7 @@ def resume_from(source: Path, step: int, dump: Path) -> None:
 
 
 def memory_rows(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The JSON record of each save and load (logged at DEBUG: `_env` asks for it)."""
     marker = "checkpoint memory: "
     text = proc.stdout + proc.stderr
     return [json.loads(line.split(marker, 1)[1]) for line in text.splitlines() if marker in line]
@@ -366,10 +368,14 @@ def test_memory_while_saving_and_loading_on_4_ranks(runs):
     runs.straight("fsdp4")
     if "fsdp4-resumed" not in runs.procs:
         pytest.skip("needs test_exact_resume[fsdp4] in the same session")
-    rows = memory_rows(runs.procs["fsdp4"]) + memory_rows(runs.procs["fsdp4-resumed"])
+    procs = [runs.procs["fsdp4"], runs.procs["fsdp4-resumed"]]
+    rows = [r for proc in procs for r in memory_rows(proc)]
+    text = "".join(proc.stdout + proc.stderr for proc in procs)
     for what in ("save", "load"):
         mine = [r for r in rows if r["what"] == what]  # one line per save or load, for the whole job
         assert mine and all(r["ranks"] == 4 for r in mine), (what, mine)
+        readable = re.findall(rf"checkpoint {what} of step (\d+) \(4 ranks\): peak memory \+", text)
+        assert sorted(map(int, readable)) == sorted(r["step"] for r in mine), (what, readable)
         for r in mine:
             print(
                 f"{what} step {r['step']}: RSS {r['rss_before_mib']} MiB before, peak {r['peak_after_mib']} MiB "

@@ -14,7 +14,7 @@ model's own parameters, counted here:
   peak       resident + the packed-buffer transient the plan replays + FSDP2's root unit gathered (params and
              grads of everything Muon does not take) + the family's activation estimate
              (titan_dmuon/models/llama3/memory.py, called here)
-  traffic    per rank and step (README.md and docs/dmuon.md, "Bytes per step"), P_M = the Muon matrices' elements:
+  traffic    per rank and step (docs/dmuon.md, "Bytes per step"), P_M = the Muon matrices' elements:
              DMuon Z3 broadcasts 2 (N-1)/N P_M and reduces (N-1)/N P_M; HSDP adds (R-1)/R P_col for the replicate
              reduce and as much for the publish (the reduces may carry one has-grad flag per matrix: M more
              elements, M_col on the replicate axis). Naive FSDP2 + Muon all-gathers the matrices for forward and again

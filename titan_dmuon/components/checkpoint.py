@@ -11,7 +11,8 @@ files, plus `config.toml` (the resolved config, whose [model] table is compared 
 
     model         the optimizer component's model_state_dict(): this rank's share, keyed by FQN
     optimizer     the component's state_dict() (Muon momentum, AdamW moments, param groups)
-    lr_scheduler  last_epoch (the schedule is a function of the config and of it)
+    lr_scheduler  last_epoch (the schedule is a function of the config and of it: a resume whose schedule fields
+                  differ from the saved config's logs one warning, lr_scheduler.schedule_change)
     dataloader    the GLOBAL data position: step and every row's [unit, document, token] of the global batch,
                   gathered from the DP ranks, so that another DP size with the same global batch resumes it
     train_state   step, tokens_seen, elapsed_s (training wall time over the runs so far; a checkpoint saved
@@ -65,6 +66,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon import dmuon
+from titan_dmuon.components.lr_scheduler import schedule_change
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
 from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
 
@@ -246,6 +248,25 @@ def _memory_summary(rows: list[dict]) -> dict:
     }
 
 
+def _memory_line(summary: dict, gathered: bool) -> str:
+    """`_memory_summary`'s record as the sentence rank 0's log shows (the record itself goes to DEBUG)."""
+
+    def span(v: list[float]) -> str:
+        return f"{v[0]:.1f}" if v[0] == v[-1] else f"{v[0]:.1f}-{v[-1]:.1f}"
+
+    n = summary["ranks"]
+    who = (f"{n} ranks" if n > 1 else "1 rank") if gathered else "rank 0's figures"
+    growth, beyond = summary["peak_growth_mib"][-1], summary["growth_beyond_share_mib"]
+    if beyond["max"] > 0:
+        share = f"rank {beyond['rank']} grew {beyond['max']:.1f} MiB beyond its state share"
+    else:
+        share = "within each rank's state share"
+    return (
+        f"checkpoint {summary['what']} of step {summary['step']} ({who}): peak memory +{growth:.1f} MiB at most, "
+        f"{share} ({span(summary['state_share_mib'])} MiB); RSS {span(summary['rss_before_mib'])} MiB before"
+    )
+
+
 class CheckpointManager:
     """Saves and loads the run's state (module docstring); every rank calls every method at the same step."""
 
@@ -284,6 +305,8 @@ class CheckpointManager:
             self._pg = new_group_with_timeout(self.c.timeout_seconds)
         self._stager = None  # async_with_pinned_mem: one DefaultStager (its pinned buffers) for every save
         self._shared_checked = False  # the first save checks that every rank sees the folder
+        self.saved_config: JobConfig | None = None
+        """Rank 0: the config the checkpoint this run resumes from was saved with (its step folder's config.toml)."""
         self.memory: list[dict[str, Any]] = []
         """Per save/load on this rank: RSS before, peak RSS after, this rank's state bytes (also logged)."""
         if self.c.enable and self.c.last_save_in_hf:
@@ -573,7 +596,9 @@ class CheckpointManager:
             rows = [None] * self.world_size
             dist.all_gather_object(rows, row)
         if self.rank == 0:  # one line for the job, whatever its size (every rank's row stays in `self.memory`)
-            logger.info("checkpoint memory: %s", json.dumps(_memory_summary(rows)))
+            summary = _memory_summary(rows)
+            logger.info("%s", _memory_line(summary, gathered=gather))
+            logger.debug("checkpoint memory: %s", json.dumps(summary))  # the machine-readable record
 
     # ------------------------------------------------------------------------------------------ loading
     def clean_temporaries(self) -> None:
@@ -596,19 +621,37 @@ class CheckpointManager:
     def _load(self) -> tuple[int, int]:
         if not self.c.enable:  # the folder is not this run's: start from initial_load_path only
             return self._initial_load()
-        self._check_shared(self.folder)
         choice = self._broadcast_object(self._choose() if self.rank == 0 else None)
         if isinstance(choice, str):
             raise CheckpointError(choice)
-        self.clean_temporaries()
         if choice is None:
+            self._check_shared(self.folder)
+            self.clean_temporaries()
             if self.c.initial_load_path:
                 return self._initial_load()
             logger.info("checkpoint: no checkpoint in %s, starting from scratch", self.folder)
             return 0, 0
-        step = self._load_dcp(self.folder / f"step-{choice}", model_only=False, check_config=True)
+        path = self.folder / f"step-{choice}"
+        self._check_visible(path)  # reads only: the rerun of a finished run leaves the folder as it is
+        if choice < self.cfg.training.steps:  # else nothing will be saved: leave the folder as it is
+            self.clean_temporaries()
+        step = self._load_dcp(path, model_only=False, check_config=True)
         self.loaded_step = step
         return step, self._tokens_seen
+
+    def _check_visible(self, path: Path) -> None:
+        """Every rank must see the checkpoint rank 0 chose (its .metadata), else the folder is not shared: the same
+        CheckpointError on every rank, before any of them enters DCP."""
+        if self.world_size == 1:
+            return
+        seen: list[bool | None] = [None] * self.world_size
+        dist.all_gather_object(seen, (path / _METADATA).is_file())
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            raise CheckpointError(
+                f"checkpoint.folder must be on a filesystem every rank sees (resolved path {self.folder}): rank(s) "
+                f"{blind} do not see {path.name}, which rank 0 resumes from; put job.dump_folder on a shared filesystem"
+            )
 
     def _choose(self) -> int | str | None:
         """Rank 0: the step to resume from (None: none), or an error message."""
@@ -700,6 +743,7 @@ class CheckpointManager:
             saved = load_toml(str(config))
         except (ConfigError, OSError, ValueError) as e:
             return f"checkpoint {path}: unreadable {_CONFIG} ({e})"
+        self.saved_config = saved
         for key in ("name", "flavor"):
             theirs, mine = getattr(saved.model, key), getattr(self.cfg.model, key)
             if theirs != mine:
@@ -803,7 +847,8 @@ class CheckpointManager:
         return f"checkpoint {path} does not match this run: {', '.join(problems)}{hint}"
 
     def _load_lr_scheduler(self, last_epoch: int) -> None:
-        """The schedule at `last_epoch`: each group's lr as LambdaLR.step computes it."""
+        """The schedule at `last_epoch`: each group's lr as LambdaLR.step computes it. The schedule is this run's
+        config's: on a resume whose schedule fields differ from the saved config's, rank 0 says so (once)."""
         s = self.lr_scheduler
         s.last_epoch = last_epoch
         s._step_count = last_epoch + 1
@@ -811,6 +856,20 @@ class CheckpointManager:
         for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         s._last_lr = lrs
+        if self.rank == 0 and self.saved_config is not None and last_epoch < self.cfg.training.steps:
+            self._warn_schedule_change(last_epoch)
+
+    def _warn_schedule_change(self, last_epoch: int) -> None:
+        """Rank 0, on a resume (saved_config read): other schedule fields than the saved config's move the lr from
+        the next step on; one warning names them, with each kind's lr before and after."""
+        lrs: dict[str, float] = {}
+        for group in self.lr_scheduler.optimizer.param_groups:
+            kind = group.get("kind")
+            if kind is not None and hasattr(self.cfg.optimizer, kind):  # its base lr is [optimizer.<kind>].lr
+                lrs.setdefault(kind, group["lr"])  # the lr the next step trains at
+        line = schedule_change(self.saved_config, self.cfg, last_epoch, lrs)
+        if line:
+            logger.warning("%s", line)
 
     # ---------------------------------------------------------------------------------------------- end
     def close(self, graceful: bool = True) -> None:

@@ -193,7 +193,7 @@ def apply_fsdp(
     mode = cfg.parallelism.fsdp_reshard_after_forward
     ignored = ignored_params or None
     units = fsdp_blocks(blocks, ignored_params or set())
-    if len(units) < len(blocks):
+    if len(units) < len(blocks) and dims.dp_shard > 1:  # with one shard there is no sharding to speak of
         logger.info(
             "FSDP2: %d of %d blocks are units of their own; the other blocks keep under %.0f%% of their params "
             "once the optimizer's are set aside, and the root unit gathers those",

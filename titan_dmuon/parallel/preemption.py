@@ -33,7 +33,12 @@ class StopRequested(Exception):
 
     def __init__(self, signum: int, step: int, saved: bool):
         self.signum, self.step, self.saved = signum, step, saved
-        what = f"checkpoint step-{step} saved: rerun the same command to resume" if saved else "nothing saved"
+        what = (
+            f"checkpoint step-{step} saved: rerun the same command to resume"
+            if saved
+            else "nothing saved: checkpoints are off (with --checkpoint.enable true a stop saves one, and rerunning "
+            "the same command resumes from it)"
+        )
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {what}")
 
     @property

@@ -260,6 +260,33 @@ def test_checkpoint_folder_not_shared_is_an_error_on_every_rank(tmp_path):
     assert list(folder.iterdir()) == []
 
 
+def _resume_without_shared_folder(rank: int, world: int, dump):
+    import torch.distributed as dist
+
+    from titan_dmuon.components.checkpoint import CheckpointError
+
+    _manager(rank, world, dump).save(1, 10)  # both ranks see it
+    dist.barrier()
+    if rank == 1:
+        _hide_from_this_rank(dump)
+    try:
+        _manager(rank, world, dump).load()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_resume_from_a_folder_one_rank_does_not_see_is_an_error_on_every_rank(tmp_path):
+    """The resume's check reads only (a finished run's rerun writes nothing), and still stops every rank, before DCP,
+    when rank 1 does not see the checkpoint rank 0 resumes from."""
+    from tests._dist import run_distributed
+
+    errors = run_distributed(_resume_without_shared_folder, 2, tmp_path, timeout=120)
+    assert errors[0] == errors[1] and "filesystem every rank sees" in errors[0], errors
+    assert "rank(s) [1] do not see step-1, which rank 0 resumes from" in errors[0]
+
+
 def _initial_load_not_shared(rank: int, world: int, dump, initial):
     from titan_dmuon.components.checkpoint import CheckpointError
 
@@ -410,6 +437,34 @@ def test_memory_rows_of_a_save_are_one_summary_line() -> None:
     assert out["rss_before_mib"] == [100.0, 612.0, 1123.0]
     assert out["peak_growth_mib"] == [10.0, 10.0, 50.0]
     assert out["growth_beyond_share_mib"] == {"max": 42.0, "rank": 5}
+
+
+def test_memory_summary_reads_as_one_sentence() -> None:
+    """The INFO line says the worst growth, the rank that grew past its state share and by how much, and the RSS
+    span (the JSON record goes to DEBUG)."""
+    from titan_dmuon.components.checkpoint import _memory_line
+
+    summary = {
+        "what": "save",
+        "step": 10,
+        "ranks": 4,
+        "rss_before_mib": [600.0, 610.5, 640.25],
+        "peak_after_mib": [700.0, 705.0, 760.0],
+        "peak_growth_mib": [1.5, 2.0, 30.0],
+        "state_share_mib": [10.0, 10.0, 12.5],
+        "growth_beyond_share_mib": {"max": 17.5, "rank": 3},
+    }
+    assert _memory_line(summary, gathered=True) == (
+        "checkpoint save of step 10 (4 ranks): peak memory +30.0 MiB at most, rank 3 grew 17.5 MiB beyond its state "
+        "share (10.0-12.5 MiB); RSS 600.0-640.2 MiB before"
+    )
+    one = {**summary, "what": "load", "ranks": 1, "rss_before_mib": [675.6] * 3, "peak_growth_mib": [0.0] * 3}
+    one |= {"state_share_mib": [40.6] * 3, "growth_beyond_share_mib": {"max": -40.6, "rank": 0}}
+    assert _memory_line(one, gathered=True) == (
+        "checkpoint load of step 10 (1 rank): peak memory +0.0 MiB at most, within each rank's state share "
+        "(40.6 MiB); RSS 675.6 MiB before"
+    )
+    assert "(rank 0's figures)" in _memory_line({**one, "what": "save (staged)"}, gathered=False)
 
 
 def _resumed(rank: int, world: int, dump):

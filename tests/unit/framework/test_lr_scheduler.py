@@ -1,10 +1,12 @@
+import logging
 import math
+import re
 
 import pytest
 import torch
 
-from titan_dmuon.components.lr_scheduler import build_lr_scheduler, lr_factor, resolve_phases
-from titan_dmuon.config import LRScheduler
+from titan_dmuon.components.lr_scheduler import build_lr_scheduler, lr_factor, resolve_phases, schedule_change
+from titan_dmuon.config import LRScheduler, parse_args
 
 
 def factors(cfg, total, steps):
@@ -82,3 +84,62 @@ def test_scheduler_scales_every_param_group():
     sched2.load_state_dict(sched.state_dict())
     assert sched2.last_epoch == sched.last_epoch == 9
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
+
+
+# ---- a resume with other schedule fields (the checkpoint keeps only the step) --------------------------------
+# The debug config's schedule, written out: warmup 5, then linear decay to 0.1 over the other steps; Muon 0.01,
+# AdamW 3e-3.
+SAVED = ["--training.steps", "40", "--lr_scheduler.warmup_steps", "5", "--lr_scheduler.min_lr_factor", "0.1"]
+SAVED += ["--optimizer.muon.lr", "0.01", "--optimizer.adamw.lr", "3e-3"]
+
+
+def _lrs(line: str) -> dict[str, tuple[float, float]]:
+    return {k: (float(a), float(b)) for k, a, b in re.findall(r"lr/(\w+) (\S+) -> ([^\s,]+)", line)}
+
+
+def test_a_longer_run_names_the_fields_and_the_lr_before_and_after():
+    """Resumed at step 40 of a 40-step run with --training.steps 50: step 40 trained at decay progress 35/36 of the
+    40-step schedule; the line gives that lr and echoes the next step's (what the optimizer now holds)."""
+    saved, current = parse_args(SAVED), parse_args([*SAVED, "--training.steps", "50"])
+    after = {"muon": 0.01 * (0.1 + 0.9 * 10 / 46), "adamw": 3e-3 * (0.1 + 0.9 * 10 / 46)}  # progress 36/46
+    line = schedule_change(saved, current, 40, after)
+    assert line.startswith("lr schedule changed on resume: training.steps 40 -> 50; "), line
+    assert "lr_scheduler." not in line and "optimizer." not in line.split(";")[0]
+    got = _lrs(line)
+    assert sorted(got) == ["adamw", "muon"]
+    before = 0.1 + 0.9 * (1 - 35 / 36)  # 0.125: AdamW 3.75e-4
+    for kind, base in (("muon", 0.01), ("adamw", 3e-3)):
+        assert got[kind][0] == pytest.approx(base * before, rel=1e-3), (kind, line)
+        assert got[kind][1] == pytest.approx(after[kind], rel=1e-3), (kind, line)
+    assert "(step 40 under the saved schedule -> step 41 under this run's)" in line
+
+
+def test_a_new_base_lr_and_schedule_field_are_named_and_the_before_uses_the_saved_values():
+    saved = parse_args(SAVED)
+    current = parse_args([*SAVED, "--optimizer.adamw.lr", "1e-3", "--lr_scheduler.decay_type", "cosine"])
+    line = schedule_change(saved, current, 10, {"muon": 0.5, "adamw": 0.25})
+    fields = line.split(";")[0]
+    assert fields == (
+        "lr schedule changed on resume: lr_scheduler.decay_type 'linear' -> 'cosine', optimizer.adamw.lr 0.003 -> 0.001"
+    )
+    # step 10 is 0-indexed step 9: decay progress (9 - 5 + 1) / 36, linear, from AdamW's saved 3e-3
+    assert _lrs(line)["adamw"][0] == pytest.approx(3e-3 * (0.1 + 0.9 * (1 - 5 / 36)), rel=1e-3)
+
+
+def test_no_line_when_no_schedule_field_changed():
+    saved = parse_args(SAVED)
+    assert schedule_change(saved, parse_args(SAVED), 40, {"muon": 1.0, "adamw": 1.0}) is None
+    others = ["--training.seq_len", "64", "--optimizer.muon.momentum", "0.9", "--optimizer.adamw.weight_decay", "0"]
+    assert schedule_change(saved, parse_args([*SAVED, *others]), 40, {"muon": 1.0, "adamw": 1.0}) is None
+    # the `adamw` optimizer's groups: Muon's lr is no field of its schedule
+    assert schedule_change(saved, parse_args([*SAVED, "--optimizer.muon.lr", "0.02"]), 40, {"adamw": 1.0}) is None
+
+
+def test_the_saved_schedule_clamps_without_warning(caplog):
+    """A saved 4-step run's warmup 5 was clamped (and said so) back then; the resume warns only of the change."""
+    saved = parse_args([*SAVED, "--training.steps", "4"])
+    with caplog.at_level(logging.WARNING, logger="titan_dmuon"):
+        line = schedule_change(saved, parse_args([*SAVED, "--training.steps", "6"]), 4, {"adamw": 1.0})
+    assert "clamping" not in caplog.text
+    # warmup clamped to 4 steps: step 4 (0-indexed 3) trained at 4/5 of AdamW's 3e-3
+    assert _lrs(line)["adamw"][0] == pytest.approx(3e-3 * 4 / 5, rel=1e-3)

@@ -1,4 +1,5 @@
-"""ParallelDims degrees, the default Muon predicate and activation checkpointing that keeps FQNs (one process)."""
+"""ParallelDims degrees, the default Muon predicate and activation checkpointing that keeps FQNs (one process), and
+when parallelize logs FSDP2's unit count (1 and 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,40 @@ def test_fsdp_blocks_keeps_blocks_with_enough_params() -> None:
     assert fsdp_blocks(blocks, set()) == [b for _, b in blocks]
     ignored = {b.w for _, b in blocks}
     assert fsdp_blocks(blocks, ignored) == [blocks[1][1]]  # 0.5% kept: none; 1%: a unit; nothing kept: none
+
+
+def _fsdp2_lines(rank: int, world: int, replicate: int) -> list[str]:
+    """The FSDP2 unit-count lines parallelize logs for the tiny model under DMuon (no block keeps 1% for FSDP2)."""
+    import logging
+
+    from tests.optimizer_components import build_tiny, tiny_cfg
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("titan_dmuon.parallel.parallelize")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=world // replicate, tp=1, world_size=world)
+    _, component = build_tiny(tiny_cfg("dmuon"), dims)
+    component.close()
+    return [r.getMessage() for r in records if r.getMessage().startswith("FSDP2:")]
+
+
+@pytest.mark.parametrize(("world", "replicate", "logged"), [(1, 1, False), (2, 2, False), (2, 1, True)])
+def test_fsdp2_unit_count_is_logged_only_with_a_shard_axis(world, replicate, logged) -> None:
+    """One process or DDP (shard degree 1): FSDP2 shards nothing, so its unit count says nothing; FSDP 2 logs it."""
+    from tests._dist import run_distributed
+
+    lines = run_distributed(_fsdp2_lines, world, replicate)
+    assert lines[0] == (
+        [
+            "FSDP2: 0 of 2 blocks are units of their own; the other blocks keep under 1% of their params "
+            "once the optimizer's are set aside, and the root unit gathers those"
+        ]
+        if logged
+        else []
+    )
 
 
 @pytest.mark.parametrize("option", ["0", "-1", "two", "ops"])

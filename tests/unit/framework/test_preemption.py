@@ -37,7 +37,10 @@ def test_exit_codes_and_the_message() -> None:
     assert e.exit_code == 143 and str(e) == (
         "stopped by SIGTERM after step 23; checkpoint step-23 saved: rerun the same command to resume"
     )
-    assert "nothing saved" in str(StopRequested(signal.SIGINT, 5, saved=False))
+    assert str(StopRequested(signal.SIGINT, 5, saved=False)) == (
+        "stopped by SIGINT after step 5; nothing saved: checkpoints are off (with --checkpoint.enable true a stop "
+        "saves one, and rerunning the same command resumes from it)"
+    )
 
 
 def test_status_goes_to_the_launcher_folder_or_the_exit_code(tmp_path, monkeypatch, capsys) -> None:
