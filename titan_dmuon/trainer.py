@@ -146,16 +146,17 @@ class Trainer:
             f"{self.num_params:,}",
             self.flops_per_token,
         )
-        # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer's prepare (DMuon records ownership) -> FSDP2.
+        # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer component's prepare (the params it keeps from
+        #    FSDP2) -> FSDP2.
         self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optimizer_component)
         #     Loss parallel (TP): the model's logits stay sharded over the vocabulary (see `_loss_parallel`).
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         #     On CUDA, each rank's memory plan against its GPU's free memory, before anything is allocated: a plan
         #     that cannot fit is a ConfigError (on every rank) naming its largest terms and the changes that would.
-        if self.device.type == "cuda" and cfg.optimizer.name == "dmuon":
+        if self.device.type == "cuda" and self.optimizer_component.planned:
             self._check_device_memory()
-        # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, its owner column's DMuon
-        #     masters, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
+        # 7b. Materialize: each rank allocates only what it holds (its FSDP2 shards, the optimizer component's
+        #     own params, TP shards) and fills it with values that are a function of (seed, FQN) only, so the run
         #     starts from the same weights on any cluster shape (titan_dmuon/components/initialization.py).
         materialize(self.model, self.spec, self.optimizer_component, self.device, self.seed)
         #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
@@ -306,8 +307,8 @@ class Trainer:
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
             raise TrainingDivergedError(
                 f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
-                "(non-finite); stopping before the optimizer step. Lower optimizer.muon.lr / optimizer.adamw.lr, "
-                "raise lr_scheduler.warmup_steps or lower training.max_norm"
+                "(non-finite); stopping before the optimizer step. Lower the learning rates (the lr of each "
+                "[optimizer.*] table), raise lr_scheduler.warmup_steps or lower training.max_norm"
             )
         self.optimizer.step()
         self.lr_scheduler.step()

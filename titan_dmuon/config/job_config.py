@@ -61,7 +61,7 @@ class Job:
     check_device_memory: bool = True
     """On CUDA, before the model is allocated, compare each rank's memory plan (the dry run's, for its own build)
     with its GPU's free memory: a plan that does not fit is an error naming the changes that would (false: a
-    warning). Only with optimizer.name = "dmuon", the layout the planner models.
+    warning). Only for the optimizers whose layout the planner models (dmuon).
     """
     dry_run_device_memory_gib: float = 80.0
     """Memory of one device (GiB) the plan must fit in (80: an H100 80GB). A plan above it is an error (exit 2)

@@ -75,6 +75,9 @@ class OptimizerComponent:
 
     name: ClassVar[str]
     """The `optimizer.name` that selects this component."""
+    planned: ClassVar[bool] = False
+    """Whether the dry-run planner (titan_dmuon/planner.py) models this optimizer's layout: a real run on CUDA then
+    checks its memory plan against the device before allocating (`job.check_device_memory`)."""
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec):
         self.cfg = cfg

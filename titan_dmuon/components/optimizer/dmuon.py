@@ -39,6 +39,7 @@ class DMuon(OptimizerComponent):
     """dmuon.dedicate_params + dmuon.Muon, with `[optimizer.muon]`, `[optimizer.adamw]` and `[optimizer.dmuon]`."""
 
     name = "dmuon"
+    planned = True
 
     def prepare(self, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> set[nn.Parameter]:
         super().prepare(model, dims, mesh)
