@@ -107,6 +107,26 @@ def test_a_bpe_tokenizer_run_generates_what_transformers_does_from_its_export(tm
     assert _generate_py(tmp_path / "hf") == want
 
 
+@pytest.mark.slow
+def test_a_padded_vocabulary_run_generates_what_transformers_does_from_its_export(tmp_path) -> None:
+    """model.vocab_size 320 for the byte tokenizer's 258 ids (as Qwen3 pads 151,669 ids to 151,936 rows): the
+    checkpoint's embedding has 320 rows; generate.py takes that size from the run's saved config.toml (the
+    tokenizer's 258 would not load it), the export's config.json says 320, and both generate transformers' tokens."""
+    import json
+
+    from tests.train_runs import read_checkpoint
+
+    step = _train(tmp_path, 1, "--model.vocab_size", "320")
+    assert read_checkpoint(step)["model.tok_embeddings.weight"].shape == (320, 64)
+    _export(step, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 320
+    prompt_ids, want = _transformers(tmp_path / "hf")
+    assert prompt_ids == _prompt_ids(step)
+    assert sum(map(len, want)) > NEW_TOKENS
+    assert _generate_py(step) == want
+    assert _generate_py(tmp_path / "hf") == want
+
+
 def test_errors_are_one_line_and_exit_2(tmp_path, capsys) -> None:
     generate = load_script("generate")
     assert generate.main([str(tmp_path), "--prompt", "x"]) == 2

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._dist import run_script
-from tests.train_runs import read_scalars
+from tests.train_runs import read_checkpoint, read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40
@@ -134,7 +135,7 @@ def test_a_stop_signal_saves_the_step_reached_and_the_rerun_resumes_bitwise(tmp_
 
 def test_a_bad_flag_or_missing_dataset_is_one_message_and_exit_2(tmp_path) -> None:
     for argv, needle in [
-        (["--training.stepz", "5"], "Unrecognized options: --training.stepz"),
+        (["--training.stepz", "5"], "config error: unknown flag --training.stepz; did you mean --training.steps?"),
         (["--training.dataset", "parquet", "--training.dataset_path", str(tmp_path / "nope")], "does not exist"),
     ]:
         log = tmp_path / "out.log"
@@ -154,5 +155,73 @@ def test_without_checkpoints_a_stop_says_nothing_was_saved(tmp_path) -> None:
     rc = proc.wait(timeout=240)
     text = log.read_text()
     assert rc == 143, f"exit {rc}\n{text[-4000:]}"
-    assert re.search(r"stopped by SIGTERM after step \d+; nothing saved", text), text[-4000:]
+    said = r"stopped by SIGTERM after step \d+; nothing saved: checkpoints are off \(with --checkpoint.enable true "
+    assert re.search(said, text), text[-4000:]
     assert "Traceback" not in text and not (dump / "checkpoint").exists()
+
+
+# ---- one rank signalled alone ------------------------------------------------------------------------------------
+# A node preempted alone: only its ranks get SIGTERM. This wrapper runs train.py with Trainer.train_step patched so
+# that rank SIGNAL_RANK sends itself SIGTERM as its step SIGNAL_STEP begins (before that step's all-reduce): the
+# signal lands on that rank and nowhere else, at a known step, without a timed wait.
+_SIGNAL_ONE_RANK = """
+import os, runpy, signal, sys
+
+from titan_dmuon.trainer import Trainer
+
+RANK, STEP, TRAIN_PY = int(os.environ["SIGNAL_RANK"]), int(os.environ["SIGNAL_STEP"]), os.environ["TRAIN_PY"]
+train_step = Trainer.train_step
+
+
+def signalled_train_step(self, data_iter):
+    if self.rank == RANK and self.step == STEP:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return train_step(self, data_iter)
+
+
+Trainer.train_step = signalled_train_step
+sys.argv[0] = TRAIN_PY
+runpy.run_path(TRAIN_PY, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("signalled", [0, 1], ids=["rank0", "rank1"])
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path, signalled) -> None:
+    """SIGTERM on one rank of 2 only, as its step 3 begins: both ranks stop after step 3 (the stop flag is agreed in
+    the step's all-reduce, not decided per rank), save one checkpoint, step-3, whose tensors equal those of a run
+    that trains 3 steps and saves at its end, and both report 143 (the launcher's status files, one per rank). A
+    stop decided per rank leaves the other rank training on into a collective its peer never joins."""
+    stop_step, status = 3, tmp_path / "status"
+    status.mkdir()
+    wrapper = tmp_path / "signal_one_rank.py"
+    wrapper.write_text(_SIGNAL_ONE_RANK)
+    # a warmup shorter than 3 steps and a constant lr after it: the first 3 steps of a 40-step run and of a 3-step
+    # run train alike
+    lr = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0"]
+    argv = ["--config", "train_configs/debug_model.toml", *_argv(tmp_path / "run"), *lr]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SIGNAL_RANK": str(signalled),
+        "SIGNAL_STEP": str(stop_step),
+        "TRAIN_PY": str(REPO / "train.py"),
+        "TITAN_DMUON_STATUS_DIR": str(status),  # as under run_train.sh: each rank writes its status there
+    }
+    proc = run_script(2, str(wrapper), argv, cwd=str(REPO), env=env, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{text[-4000:]}"
+    assert "Traceback" not in text, text[-4000:]
+    assert {p.name: p.read_text() for p in status.glob("rank-*")} == {"rank-0": "143\n\n", "rank-1": "143\n\n"}
+    assert f"stopped by SIGTERM after step {stop_step}; checkpoint step-{stop_step} saved" in text, text[-4000:]
+    assert max(_logged_steps(text)) == stop_step, text[-4000:]
+    folder = tmp_path / "run" / "checkpoint"
+    assert [p.name for p in folder.iterdir()] == [f"step-{stop_step}"]
+
+    ref = [*_argv(tmp_path / "ref"), *lr, "--training.steps", str(stop_step)]
+    assert _train(ref, tmp_path / "ref.log") == 0, (tmp_path / "ref.log").read_text()[-4000:]
+    got = read_checkpoint(folder / f"step-{stop_step}")
+    want = read_checkpoint(tmp_path / "ref" / "checkpoint" / f"step-{stop_step}")
+    assert set(got) == set(want) and any(k.startswith("model") for k in got), sorted(set(got) ^ set(want))
+    differ = [k for k, v in want.items() if not torch.equal(got[k], v)]
+    # the wall time, and Python's RNG (not the run's seed: what each process drew), are each run's own
+    assert all(k == "train_state.elapsed_s" or re.fullmatch(r"rng\.rank\d+\.python\w*", k) for k in differ), differ

@@ -39,6 +39,64 @@ def test_batched_cached_greedy_equals_each_prompt_alone_uncached(n_kv_heads) -> 
     assert out.new_tokens == 36 and out.tokens_per_second() > 0
 
 
+class _Recorder(torch.nn.Module):
+    """The model as `generate` sees it, keeping each call's tokens and logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.layers = model, model.layers
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        logits = self.model(tokens, cache)
+        self.calls.append((tokens.clone(), logits.clone()))
+        return logits
+
+
+def _family_model(family: str, flavor: str) -> torch.nn.Module:
+    from titan_dmuon.models import llama3, qwen3
+
+    build = {"llama3": llama3.build_model, "qwen3": qwen3.build_model}[family]
+    overrides = {"n_kv_heads": 2} if family == "llama3" else {}
+    torch.manual_seed(0)
+    model = build(flavor, vocab_size=61, device="cpu", max_seq_len=64, **overrides)
+    with torch.no_grad():  # peaked attention: a key's position moves the logits by far more than the tolerance
+        for block in model.layers.values():
+            block.attention.wq.weight.mul_(8)
+            block.attention.wk.weight.mul_(8)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("family", "flavor"), [("llama3", "tinymodel"), ("qwen3", "tinymodel"), ("qwen3", "tinymodel_moe")]
+)
+def test_cached_logits_equal_a_full_forward_at_every_step(family, flavor) -> None:
+    """Every logit `generate` decodes from (the prompts' prefill at each real position, then each decode step) equals
+    the plain forward of that row's unpadded sequence so far, in fp32. Greedy tokens of a tiny model barely depend
+    on position (an off-by-one position passes them); these logits do (a planted off-by-one moved them by 5e-3 on
+    llama3, 3e-2 on qwen3)."""
+    model = _family_model(family, flavor)
+    prompts = [[5, 9, 2, 33, 7, 1, 8], [4], [60, 3, 3, 17]]  # left-padded by 0, 6 and 3 slots
+    recorder = _Recorder(model)
+    # sampled, not greedy: the rows feed varied tokens back (every row goes on: no end-of-sequence id)
+    out = generate(recorder, prompts, Sampling(max_new_tokens=6, temperature=1.0, seed=5)).tokens
+    assert [len(t) for t in out] == [6, 6, 6] and len(recorder.calls) == 6
+    longest = max(len(p) for p in prompts)
+    with torch.no_grad():
+        (_, prefill), *steps = recorder.calls
+        for row, prompt in enumerate(prompts):
+            want = model(torch.tensor([prompt]))[0]
+            torch.testing.assert_close(prefill[row, longest - len(prompt) :], want, rtol=1e-5, atol=1e-5)
+        for i, (fed, logits) in enumerate(steps):
+            assert fed[:, 0].tolist() == [t[i] for t in out]  # the token just sampled, fed back
+            for row, prompt in enumerate(prompts):
+                want = model(torch.tensor([prompt + out[row][: i + 1]]))[0, -1]
+                where = f"decode step {i + 1}, row {row}"
+                torch.testing.assert_close(
+                    logits[row, -1], want, rtol=1e-5, atol=1e-5, msg=lambda m, where=where: f"{where}: {m}"
+                )
+
+
 def test_a_row_stops_at_eos_and_the_others_go_on() -> None:
     model = _model()
     prompts = [[5, 9, 2], [11, 12]]

@@ -160,6 +160,27 @@ def test_hf_tokenizer_save_hf_copies_the_tokenizer_files_only(tmp_path):
     assert build_tokenizer(str(tmp_path / "src" / "tok.json")).pad_id == 2
 
 
+def test_export_with_an_hf_tokenizer_writes_its_own_three_special_ids(tmp_path):
+    """BOS 1, EOS 2 and PAD 3, all different (the byte tokenizer's and a train_tokenizer.py BPE's PAD is their EOS,
+    so there a PAD written as the EOS, or EOS and PAD swapped, passes): config.json, generation_config.json and
+    transformers' loaders of the export give the ids the tokenizer folder's own vocabulary and tokenizer_config.json
+    name. The model's vocabulary (8) is padded past the tokenizer's 6 ids: config.json says the model's."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    tok = build_tokenizer(str(_word_level_folder(tmp_path / "src")))
+    model = build_model("tinymodel", vocab_size=8, device="cpu", max_seq_len=16)
+    export_hf(model.state_dict(), tmp_path / "hf", SPEC.state_dict_adapter(model), tokenizer=tok)
+    want = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # <s>, </s>, <pad> in _word_level_folder
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config[k] for k in want} == want and config["vocab_size"] == 8
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == want
+    generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (1, 2, 3)
+    assert hf_tok.convert_ids_to_tokens([1, 2, 3]) == ["<s>", "</s>", "<pad>"]
+
+
 def _modes(folder) -> dict[str, int]:
     return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
 
