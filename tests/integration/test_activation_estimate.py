@@ -1,4 +1,4 @@
-"""The planner's activation estimates (titan_dmuon/models/llama3/memory.py and qwen3/memory.py) against the bytes a
+"""The planner's activation estimates (titan_dmuon/models/common/memory.py) against the bytes a
 real forward leaves for its backward (tests/activation_memory.py: every storage an op made that is still alive,
 de-duplicated; the same count as `saved_tensors_hooks` where no AC hides the saved tensors), in bf16 as on a GPU, for
 one block and for the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with sequence
@@ -25,7 +25,7 @@ FLAVORS = {
     "tinymodel": ("llama3", "tinymodel", {}),
     "debugmodel-gqa": ("llama3", "debugmodel", {"n_kv_heads": 4}),
     "qwen3-tinymodel": ("qwen3", "tinymodel", {}),
-    "qwen3-debugmodel_moe": ("qwen3", "debugmodel_moe", {}),  # every block an MoE (models/qwen3/moe.py)
+    "qwen3-debugmodel_moe": ("qwen3", "debugmodel_moe", {}),  # every block an MoE (models/common/moe.py)
 }
 VOCAB, B, T = 2048, 2, 64
 # (activation_checkpoint.mode, selective_ac_option): the block kinds every mode is made of

@@ -4,7 +4,7 @@ matrix (not with titan_dmuon/components/initialization.py, materialize or the fa
 test_start.py holds every layout to the 1-process start, and the 1-process start to `init_weights`: both sides
 run the same `param_inits` and `fill_`, so a wrong std (a missing depth scale, a cutoff taken in units of
 std) passes there. The reference here is the documented distribution of each parameter (torchtitan's Llama-3
-init, titan_dmuon/models/llama3/model.py):
+init, titan_dmuon/models/common/block.py and decoder.py):
 
   tok_embeddings          normal(0, 1)
   attention.wq/wk/wv, w1  trunc_normal(0, 0.02), cut at +-2 (absolute, as nn.init.trunc_normal_)

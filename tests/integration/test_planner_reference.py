@@ -13,7 +13,7 @@ model's own parameters, counted here:
              and the owners' fp32 reduced grads)
   peak       resident + the packed-buffer transient the plan replays + FSDP2's root unit gathered (params and
              grads of everything Muon does not take) + the family's activation estimate
-             (titan_dmuon/models/llama3/memory.py, called here)
+             (titan_dmuon/models/common/memory.py, called here)
   traffic    per rank and step (docs/dmuon.md, "Bytes per step"), P_M = the Muon matrices' elements:
              DMuon Z3 broadcasts 2 (N-1)/N P_M and reduces (N-1)/N P_M; HSDP adds (R-1)/R P_col for the replicate
              reduce and as much for the publish (the reduces may carry one has-grad flag per matrix: M more
@@ -102,7 +102,7 @@ def _expected(replicate: int, shard: int, owners: dict) -> dict:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout):
-    from titan_dmuon.models.llama3.memory import activation_estimate
+    from titan_dmuon.models.common.memory import activation_estimate
 
     replicate, shard = LAYOUTS[layout]
     plan = _plan(tmp_path, replicate)

@@ -1,4 +1,4 @@
-"""Qwen3-MoE (titan_dmuon/models/qwen3/moe.py and the MoE parts of the qwen3 family) against `transformers`'
+"""Qwen3-MoE (titan_dmuon/models/common/moe.py and the MoE parts of the qwen3 family) against `transformers`'
 Qwen3MoeForCausalLM: logits on our exported weights (fp32, one dense layer via mlp_only_layers), export -> import
 bitwise, transformers' own save read back; the router against HF's; the grouped experts' loop against a per-token
 reference (an expert with no row, no row at all, grads), and torch._grouped_mm against the loop in bf16; the
@@ -25,9 +25,7 @@ from tests._scripts import load_script
 from titan_dmuon.components.hf import export_hf, load_hf_weights
 from titan_dmuon.components.initialization import fill_, full_index, trunc_normal
 from titan_dmuon.components.model import get_model_spec
-from titan_dmuon.models.llama3 import head_blocks
-from titan_dmuon.models.qwen3 import SPEC, build_model
-from titan_dmuon.models.qwen3.moe import (
+from titan_dmuon.models.common.moe import (
     MoE,
     experts_grouped_mm,
     experts_loop,
@@ -35,6 +33,7 @@ from titan_dmuon.models.qwen3.moe import (
     moe_stats,
     update_moe_bias,
 )
+from titan_dmuon.models.qwen3 import SPEC, build_model, head_blocks
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -267,7 +266,7 @@ def test_grouped_mm_equals_the_loop_in_bf16() -> None:
 
 def test_grouped_path_zeroes_what_a_kernel_leaves_in_empty_groups() -> None:
     """Whatever a grouped-GEMM kernel writes into a zero-size group's weight grad (NaN here) is zeroed."""
-    from titan_dmuon.models.qwen3.moe import _ZeroEmptyGroups
+    from titan_dmuon.models.common.moe import _ZeroEmptyGroups
 
     w = torch.randn(3, 4, 5, requires_grad=True)
     counts = torch.tensor([2, 0, 1])

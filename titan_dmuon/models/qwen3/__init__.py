@@ -1,22 +1,20 @@
 """Qwen3 model family, dense and MoE: flavors (the published Qwen3 0.6B to 32B sizes, Qwen3-30B-A3B and
-Qwen3-235B-A22B, and CPU-sized ones of each kind), builder, TP plan, activation estimate, Hugging Face adapter, and
-its ModelSpec (registered as "qwen3" when this package is imported)."""
+Qwen3-235B-A22B, and CPU-sized ones of each kind), Hugging Face adapter, and its ModelSpec (registered as "qwen3"
+when this package is imported). The builder, TP plan, activation estimate and MoE are the shared core's
+(titan_dmuon/models/common/)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-from torch import nn
+from titan_dmuon.components.model import register_model_spec
+from titan_dmuon.models.common.memory import activation_estimate
+from titan_dmuon.models.common.moe import MoE, moe_stats, update_moe_bias
+from titan_dmuon.models.common.spec import DecoderFamily, blocks, head_blocks
+from titan_dmuon.models.common.tensor_parallel import apply_tp
 
-from titan_dmuon.components.model import ModelSpec, register_model_spec
-from titan_dmuon.models.llama3 import head_blocks  # the same FQNs and `args.head_dim`: one rule for both
-
-from .memory import activation_estimate
 from .model import ModelArgs, Transformer, TransformerBlock, get_nparams_and_flops
-from .moe import MoE, moe_stats, update_moe_bias
 from .state_dict_adapter import Qwen3StateDictAdapter
-from .tensor_parallel import apply_tp
 
 QWEN3_VOCAB_SIZE = 151936
 
@@ -39,34 +37,22 @@ def _published(dim: int, n_layers: int, n_heads: int, ffn: int, tie: bool) -> Mo
 def _published_moe(dim: int, n_layers: int, n_heads: int, ffn: int, moe_ffn: int) -> ModelArgs:
     """A published Qwen3-MoE size (Qwen/Qwen3-<size> config.json): 4 kv heads of 128, 128 experts of which 8 per
     token with renormalized weights, every layer sparse, untied, RoPE theta 1e6, the Qwen vocabulary."""
-    return ModelArgs(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=4,
-        head_dim=128,
-        ffn_hidden_dim=ffn,
-        vocab_size=QWEN3_VOCAB_SIZE,
-        rope_theta=1000000.0,
-        tie_embeddings=False,
-        num_experts=128,
-        top_k=8,
-        moe_hidden_dim=moe_ffn,
-        norm_topk_prob=True,
+    dense = _published(dim, n_layers, n_heads, ffn, tie=False)
+    return dataclasses.replace(
+        dense, n_kv_heads=4, num_experts=128, top_k=8, moe_hidden_dim=moe_ffn, norm_topk_prob=True
     )
 
 
+# Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size). head_dim 64 with 8 heads:
+# the attention is 512 wide on a 256-wide residual stream, as Qwen3's is twice its dim.
+_DEBUG = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden_dim=768, tie_embeddings=True)
+# For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads, 2 kv heads (TP 2 divides both), tied
+# (`tie_embeddings=False` as an override gives the untied variant).
+_TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=192, tie_embeddings=True)
+
 qwen3_configs: dict[str, ModelArgs] = {
-    # Sized for a laptop CPU; vocab_size comes from the tokenizer (build_model's vocab_size). head_dim 64 with
-    # 8 heads: the attention is 512 wide on a 256-wide residual stream, as Qwen3's is twice its dim.
-    "debugmodel": ModelArgs(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden_dim=768, tie_embeddings=True
-    ),
-    # For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads, 2 kv heads (TP 2 divides both),
-    # tied (`tie_embeddings=False` as an override gives the untied variant).
-    "tinymodel": ModelArgs(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=192, tie_embeddings=True
-    ),
+    "debugmodel": _DEBUG,
+    "tinymodel": _TINY,
     # The published sizes (Qwen/Qwen3-<size> config.json): the three small ones tie their embeddings.
     "0.6B": _published(dim=1024, n_layers=28, n_heads=16, ffn=3072, tie=True),
     "1.7B": _published(dim=2048, n_layers=28, n_heads=16, ffn=6144, tie=True),
@@ -76,30 +62,8 @@ qwen3_configs: dict[str, ModelArgs] = {
     "32B": _published(dim=5120, n_layers=64, n_heads=64, ffn=25600, tie=False),
     # MoE: debugmodel's and tinymodel's attention with every feed-forward an MoE of 8 experts, 2 per token
     # (tinymodel_moe: 4 CPU steps in seconds; 8 experts split over 2, 4 or 8 expert-parallel ranks).
-    "debugmodel_moe": ModelArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        ffn_hidden_dim=768,
-        tie_embeddings=True,
-        num_experts=8,
-        top_k=2,
-        moe_hidden_dim=128,
-    ),
-    "tinymodel_moe": ModelArgs(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        ffn_hidden_dim=192,
-        tie_embeddings=True,
-        num_experts=8,
-        top_k=2,
-        moe_hidden_dim=32,
-    ),
+    "debugmodel_moe": dataclasses.replace(_DEBUG, num_experts=8, top_k=2, moe_hidden_dim=128),
+    "tinymodel_moe": dataclasses.replace(_TINY, num_experts=8, top_k=2, moe_hidden_dim=32),
     # The published MoE sizes (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json); ffn is the
     # intermediate_size a dense layer would have (mlp_only_layers is empty: none is).
     "30B-A3B": _published_moe(dim=2048, n_layers=48, n_heads=32, ffn=6144, moe_ffn=768),
@@ -107,38 +71,9 @@ qwen3_configs: dict[str, ModelArgs] = {
 }
 
 
-def get_model_args(flavor: str, vocab_size: int | None = None, **overrides) -> ModelArgs:
-    """A fresh copy of a flavor's ModelArgs; ``vocab_size`` (if given) and ``overrides`` replace fields."""
-    if flavor not in qwen3_configs:
-        raise ValueError(f"unknown qwen3 flavor {flavor!r}; choose one of {sorted(qwen3_configs)}")
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    return dataclasses.replace(qwen3_configs[flavor], **overrides)
-
-
-def build_model(
-    flavor: str, vocab_size: int | None = None, device: torch.device | str = "meta", **overrides
-) -> Transformer:
-    """Build a flavor on ``device``. On "meta" nothing is allocated or initialized (the trainer parallelizes it,
-    then each rank materializes and initializes its share); on a real device it is materialized with
-    ``to_empty`` and ``init_weights`` (the seed of ``torch.manual_seed``), the weights a run with that seed
-    starts from on any cluster shape.
-
-    ``vocab_size`` is required for the debug and tiny flavors; ``overrides`` (e.g. ``max_seq_len=...``,
-    ``tie_embeddings=False``) replace ModelArgs fields.
-    """
-    args = get_model_args(flavor, vocab_size, **overrides)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
-    return model
-
-
-def blocks(model: Transformer) -> list[tuple[str, nn.Module]]:
-    """The transformer blocks, `layers.N`, in forward order."""
-    return [(f"layers.{name}", block) for name, block in model.layers.items()]
+FAMILY = DecoderFamily("qwen3", qwen3_configs, Transformer)
+get_model_args = FAMILY.get_model_args
+build_model = FAMILY.build_model  # overrides such as tie_embeddings=False give a flavor's other variant
 
 
 # Muon takes the blocks' projection matrices only: never the q/k norms (1D), the block norms, the embedding, the
@@ -152,18 +87,8 @@ MUON_PARAMS = (
 )
 
 SPEC = register_model_spec(
-    ModelSpec(
-        name="qwen3",
-        flavors=qwen3_configs,
-        build=build_model,
-        nparams_and_flops=get_nparams_and_flops,
-        blocks=blocks,
+    FAMILY.spec(
         muon_params=MUON_PARAMS,
-        param_inits=lambda model: model.param_inits(),
-        init_buffers=lambda model, device: model.init_buffers(device),
-        apply_tp=apply_tp,
-        activation_estimate=activation_estimate,
-        head_blocks=head_blocks,
         state_dict_adapter=Qwen3StateDictAdapter.from_model,
         moe_stats=moe_stats,
         update_moe_bias=update_moe_bias,
@@ -184,8 +109,10 @@ __all__ = [
     "QWEN3_VOCAB_SIZE",
     "Qwen3StateDictAdapter",
     "MUON_PARAMS",
+    "FAMILY",
     "SPEC",
     "blocks",
+    "head_blocks",
     "MoE",
     "moe_stats",
     "update_moe_bias",

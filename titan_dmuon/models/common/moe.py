@@ -1,4 +1,5 @@
-"""Qwen3-MoE's sparse feed-forward, as `transformers`' Qwen3MoeSparseMoeBlock computes it, without parallelism code.
+"""The mixture-of-experts feed-forward, without parallelism code: Qwen3-MoE's (`transformers`'
+Qwen3MoeSparseMoeBlock computes the same), and the pieces another MoE family reuses.
 
 `MoE` routes each token to `top_k` of `num_experts` SwiGLU experts (`Router`: softmax in fp32, top-k, the top-k
 weights renormalized when `norm_topk_prob`) and sums the experts' outputs weighted by the routing weights. The
@@ -26,17 +27,21 @@ Load balancing, two ways (both per MoE layer):
     (`MoE.update_bias`, `update_moe_bias`).
 
 `moe_stats` and `update_moe_bias` are the ModelSpec hooks the trainer calls (titan_dmuon/components/model.py).
+
+A family keeps the rule for which of its layers are sparse (Qwen3-MoE: `decoder_sparse_step`, `mlp_only_layers`).
+Another routing rule (DeepSeek-V3's sigmoid, group-limited top-k) is a router with `Router`'s contract (forward ->
+(probabilities, weights, expert ids); an fp32 `expert_bias` buffer); shared experts would sit beside `experts`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from titan_dmuon.components.initialization import ParamInit, trunc_normal
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -177,15 +182,15 @@ class _AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's sparse block: `router`, `experts`, and `dispatcher` (a plain attribute, `LocalDispatcher`
-    by default).
+    """The sparse feed-forward: `router`, `experts`, and `dispatcher` (a plain attribute, `LocalDispatcher` by
+    default).
 
     Plain attributes the trainer / the TP plan set:
       * `aux_loss_scale` (default 1.0): multiplies the aux loss's gradient (the trainer sets
         1 / gradient_accumulation_steps, as it scales the CE loss);
       * `aux_group` (default None): the process group holding the rest of the sequence (TP with sequence
-        parallelism, set by tensor_parallel.apply_tp): the routed counts are summed over it, so the aux loss of
-        the group's whole sequence is the sum of the ranks' shares.
+        parallelism, set by tensor_parallel.py's apply_tp): the routed counts are summed over it, so the aux loss
+        of the group's whole sequence is the sum of the ranks' shares.
     Each forward in training mode (not an activation-checkpoint recompute) adds, detached and on the device, to
     running sums that `read_stats` reads and resets: `tokens_per_expert` (non-persistent buffer, int64 [E], from
     this rank's global expert ids, before dispatch), `aux_loss_sum` (non-persistent buffer, fp32 scalar: the aux
@@ -299,6 +304,16 @@ class MoE(nn.Module):
         load = counts.to(device=bias.device, dtype=torch.float32)
         bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
 
+    def param_inits(self, out: ParamInit) -> dict[str, ParamInit]:
+        """As the dense FeedForward's matrices (FQNs relative to this module): the router's gate and the w1 stack
+        trunc_normal(0.02), the w2 and w3 stacks `out` (the block's depth-scaled std)."""
+        return {
+            "router.gate.weight": trunc_normal(0.02),
+            "experts.w1": trunc_normal(0.02),
+            "experts.w2": out,
+            "experts.w3": out,
+        }
+
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The model's MoE modules, in registration (forward) order."""
@@ -329,12 +344,6 @@ def update_moe_bias(model: nn.Module, tokens_per_expert: torch.Tensor) -> None:
         layer.update_bias(counts)
 
 
-def is_moe_layer(layer_id: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: Sequence[int]) -> bool:
-    """HF's rule (Qwen3MoeDecoderLayer): sparse iff there are experts, the layer is not in mlp_only_layers and
-    (layer_id + 1) is a multiple of decoder_sparse_step."""
-    return num_experts > 0 and layer_id not in mlp_only_layers and (layer_id + 1) % decoder_sparse_step == 0
-
-
 __all__ = [
     "GroupedExperts",
     "LocalDispatcher",
@@ -343,7 +352,6 @@ __all__ = [
     "experts_grouped_mm",
     "experts_loop",
     "grouped_mm_supported",
-    "is_moe_layer",
     "local_tensor",
     "moe_layers",
     "moe_stats",

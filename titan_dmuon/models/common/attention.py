@@ -1,0 +1,80 @@
+"""Grouped-query attention of the decoder families: optional per-head q/k RMSNorm, RoPE in the family's layout,
+causal SDPA in training and the KV cache's masked path in generation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_dmuon.components.initialization import ParamInit, constant, trunc_normal
+from titan_dmuon.components.kv_cache import LayerCache
+
+from .norms import RMSNorm
+from .rope import RopeLayout, apply_rope
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int, cache: LayerCache | None = None
+) -> torch.Tensor:
+    """Causal attention of ``q [B, L, H, D]`` over ``k, v [B, L, H_kv, D]`` (each kv head serves ``n_rep`` query
+    heads) -> ``[B, L, H, D]``. With a ``cache`` (generation) the step's k and v join the cached ones and the
+    cache's mask replaces the causal one."""
+    mask = None
+    if cache is not None:  # generation: attend to every cached position the mask allows
+        k, v, mask = cache.update(k, v)
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=2)
+        v = v.repeat_interleave(n_rep, dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (`wq wk wv wo`, no biases). Head counts come from the projections' (possibly
+    TP-sharded) output width via ``view(..., -1, head_dim)``, so the same code runs with n_heads // tp local heads.
+
+    With ``qk_norm`` (Qwen3) an RMSNorm over head_dim (`q_norm`, `k_norm`, weights of head_dim entries) normalizes
+    each q and k head before RoPE; it acts on the last dim only, so it runs on any subset of the heads."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_layout: RopeLayout,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.n_rep = n_heads // n_kv_heads  # invariant under TP: q and kv heads shard alike
+        self.rope_layout = rope_layout
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
+        return self.wo(attend(q, k, v, self.n_rep, cache).reshape(bs, seqlen, -1))
+
+    def param_inits(self, out: ParamInit) -> dict[str, ParamInit]:
+        """torchtitan's init (FQNs relative to this module): the input projections trunc_normal(0.02), wo `out`
+        (the block's depth-scaled std), the q/k norms 1."""
+        norms = {"q_norm.weight": constant(1.0), "k_norm.weight": constant(1.0)} if self.q_norm is not None else {}
+        return {**norms, **{f"{w}.weight": trunc_normal(0.02) for w in ("wq", "wk", "wv")}, "wo.weight": out}
+
+
+__all__ = ["Attention", "attend"]
