@@ -12,9 +12,10 @@ module-scoped fixture, so each resume costs one launch:
   kill -9         a 4-rank run saving asynchronously every step, killed (the whole process group) mid-run, then
                   rerun: it resumes from the newest complete checkpoint, its losses equal the straight run's, and
                   keep_latest_k = 2 leaves exactly 2 complete checkpoints
-  errors          a partial or corrupted checkpoint, another model, another global batch, a load_step that does
-                  not exist, a model-only checkpoint before the last step: exit 2 naming the folder, and no file
-                  of the checkpoint folder changed
+  errors          a partial or truncated checkpoint saved without checksums.json (the checked ones:
+                  test_checkpoint_damage.py), another model, another global batch, a load_step that does not exist,
+                  a model-only checkpoint before the last step: exit 2 naming the folder, and no file of the
+                  checkpoint folder changed
   initial load    initial_load_path from a DCP step folder (in full, and weights only) and from its Hugging Face
                   conversion
   memory          the per-rank RSS figures the 4-rank runs log around saving and loading
@@ -335,8 +336,8 @@ def _break_data_file(step: Path) -> None:
 @pytest.mark.parametrize(
     ("case", "args", "match"),
     [
-        ("partial", [], r"step-10 is partial or corrupted"),
-        ("truncated", [], r"step-10 could not be read"),
+        ("partial", [], r"step-10 is partial or corrupted"),  # both as saved before checksums.json was kept
+        ("truncated", [], r"step-10 could not be read"),  # (test_checkpoint_damage.py: the checked steps)
         ("other_model", ["--model.flavor", "debugmodel"], r"another model config: model.flavor = 'tinymodel' there"),
         ("other_batch", ["--training.local_batch_size", "4"], r"does not match this run: shape differences"),
         ("missing_step", ["--checkpoint.load_step", "7"], r"has no step-7 \(complete checkpoints: \[5, 10\]\)"),
@@ -348,8 +349,10 @@ def test_bad_checkpoint_exits_2_and_changes_nothing(runs, tmp_path, case, args, 
     shutil.copytree(source / "checkpoint", tmp_path / "checkpoint")
     if case == "partial":
         (tmp_path / "checkpoint" / "step-10" / ".metadata").unlink()
+        (tmp_path / "checkpoint" / "step-10" / "checksums.json").unlink()
     elif case == "truncated":
         _break_data_file(tmp_path / "checkpoint" / "step-10")
+        (tmp_path / "checkpoint" / "step-10" / "checksums.json").unlink()
     elif case == "model_only":  # what last_save_model_only writes, at a step before training.steps
         _model_only_copy(tmp_path / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-7")
         shutil.rmtree(tmp_path / "checkpoint" / "step-10")

@@ -7,7 +7,8 @@
     ckpt.close()                            # waits for (and commits) an async save still in flight
 
 One checkpoint is the folder `<job.dump_folder>/<checkpoint.folder>/step-<N>/`: DCP's `.metadata` and data
-files, plus `config.toml` (the resolved config, whose [model] table is compared on load). Its DCP state dict:
+files, plus `config.toml` (the resolved config, whose [model] table is compared on load) and `checksums.json` (every
+file's size and CRC32s: titan_dmuon/components/checkpoint_integrity.py). Its DCP state dict:
 
     model         the optimizer component's model_state_dict(): this rank's share, keyed by FQN
     optimizer     the component's state_dict() (Muon momentum, AdamW moments, param groups)
@@ -21,16 +22,25 @@ files, plus `config.toml` (the resolved config, whose [model] table is compared 
                   existed when saving, the others keep their seeded state
 
 Atomicity: every rank writes into `step-<N>.tmp-<id>`; once DCP's coordinator (rank 0) has written
-`.metadata` (after every rank reported its files written), rank 0 fsyncs it and renames the folder to
-`step-<N>` (fsync of the parent). A killed save leaves only a temporary, which loading ignores and the next
-job's rank 0 deletes; keep_latest_k counts complete folders and prunes only after the new one is in place.
-An async save is committed by its own thread as soon as it finishes; training waits for that only before
-the next save starts and at close().
+`.metadata` (after every rank reported its files written), rank 0 writes `checksums.json` (each rank's files were
+hashed by that rank as it wrote them; the records came to rank 0 with DCP's gather of the write results), fsyncs
+them and renames the folder to `step-<N>` (fsync of the parent). A killed save leaves only a temporary, which
+loading ignores and the next job's rank 0 deletes; keep_latest_k counts complete folders and prunes only after the
+new one is in place. An async save is committed by its own thread as soon as it finishes (checksums.json too);
+training waits for that only before the next save starts and at close().
 
 `checkpoint.last_save_in_hf`: once the last step's checkpoint is committed, rank 0 converts it into the Hugging Face
 folder `step-<N>-hf` beside it (titan_dmuon/components/export.py, what scripts/convert_checkpoint.py runs: streamed,
 never the whole model in memory), written as `step-<N>-hf.tmp-<id>` and renamed when complete; the other ranks wait
 for the outcome (one gather), so that a failure is the same CheckpointError on every rank.
+
+Damage: before loading a step, every rank checks it against its checksums.json: the sizes of all files (a stat
+each, shared out among the ranks) and the CRC32s of what it will read (.metadata, the blocks holding its items);
+one all_gather makes the verdict every rank's. A damaged newest step (a file truncated, deleted or changed since the
+save) is named in one WARNING line, set aside as `step-<N>.damaged-<id>` when this run will save (so that neither
+keep_latest_k counts it nor does it block this run's save of step N), and the run resumes from the newest intact
+step before it; no intact step, or load_step / initial_load_path at a damaged one, is a CheckpointError naming the
+damage. A step saved before checksums.json was kept loads unchecked (an INFO line says so).
 
 Loading never unpickles code: `.metadata` is read by an unpickler that admits only DCP's metadata classes,
 and non-tensor items are read with torch.load(weights_only=True). A missing, partial or mismatched
@@ -58,7 +68,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -66,6 +76,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon import dmuon
+from titan_dmuon.components.checkpoint_integrity import (
+    MANIFEST,
+    ChecksummingWriter,
+    DamagedError,
+    check_blocks,
+    check_sizes,
+    read_manifest,
+    write_manifest,
+)
 from titan_dmuon.components.lr_scheduler import schedule_change
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
 from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
@@ -74,6 +93,7 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^step-\d+(-hf)?\.(tmp|deleting)-[0-9a-f]+$")
+_DAMAGED = "damaged"  # step-<N>.damaged-<id>: a damaged step set aside by a resume that skipped it
 _METADATA = ".metadata"
 _CONFIG = "config.toml"
 _MODEL_ONLY = "model_only"  # marks a last_save_model_only checkpoint: keep_latest_k neither counts nor deletes it
@@ -420,10 +440,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         state = self._state_dict(step, tokens_seen, model_only, elapsed_s)
         share = _local_bytes(state)
-        writer = FileSystemWriter(temp, sync_files=True)
+        writer = ChecksummingWriter(temp, sync_files=True)  # hashes every file as it writes it
         if self._pg is None:
             dcp.save(state, storage_writer=writer)
-            self._commit(temp, final, step, t0)
+            self._commit(temp, final, step, t0, writer)
             self._record("save", step, rss_before, peak_before, share, gather=True)
         else:
             kwargs: dict[str, Any] = {}
@@ -434,7 +454,7 @@ class CheckpointManager:
                     self._stager = DefaultStager(StagingOptions(True, False, False, False))
                 kwargs["async_stager"] = self._stager
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
-            self._pending = self._commit_when_done(future, temp, final, step, t0)
+            self._pending = self._commit_when_done(future, temp, final, step, t0, writer)
             self._record("save (staged)", step, rss_before, peak_before, share, gather=False)
 
     # ---------------------------------------------------------------------------------- Hugging Face export
@@ -493,7 +513,9 @@ class CheckpointManager:
         )
         return None
 
-    def _commit_when_done(self, future: Future, temp: Path, final: Path, step: int, t0: float) -> Future:
+    def _commit_when_done(
+        self, future: Future, temp: Path, final: Path, step: int, t0: float, writer: ChecksummingWriter
+    ) -> Future:
         """The async save's commit, run by the save's thread as soon as the save is done: rank 0's fsync, rename
         and prune must not hold the other ranks, which train on, in their next collective."""
         committed: Future = Future()
@@ -501,7 +523,7 @@ class CheckpointManager:
         def commit(done: Future) -> None:
             try:
                 done.result()
-                self._commit(temp, final, step, t0)
+                self._commit(temp, final, step, t0, writer)
                 committed.set_result(None)
             except BaseException as e:  # noqa: BLE001 - raised by _finish_pending in the training thread
                 committed.set_exception(e)
@@ -519,11 +541,16 @@ class CheckpointManager:
         if pending is not None:
             pending.result()
 
-    def _commit(self, temp: Path, final: Path, step: int, t0: float) -> None:
-        """Rank 0, once DCP's coordinator wrote .metadata (every rank's files are written by then): make the
-        checkpoint visible by one rename, then prune to keep_latest_k."""
+    def _commit(self, temp: Path, final: Path, step: int, t0: float, writer: ChecksummingWriter) -> None:
+        """Rank 0, once DCP's coordinator wrote .metadata (every rank's files are written by then): record every
+        file's size and checksums (`writer.digests`, computed by the ranks that wrote them and gathered by DCP's save)
+        in checksums.json, make the checkpoint visible by one rename, then prune to keep_latest_k."""
         if self.rank != 0:
             return
+        if writer.digests is None:
+            raise RuntimeError(f"checkpoint: the save of {temp} returned no file checksums")
+        extra = [name for name in (_CONFIG, _MODEL_ONLY) if (temp / name).is_file()]  # rank 0's own small files
+        write_manifest(temp, writer.digests, extra=extra)
         _fsync(temp / _METADATA)
         _fsync(temp)
         os.rename(temp, final)
@@ -621,65 +648,169 @@ class CheckpointManager:
     def _load(self) -> tuple[int, int]:
         if not self.c.enable:  # the folder is not this run's: start from initial_load_path only
             return self._initial_load()
-        choice = self._broadcast_object(self._choose() if self.rank == 0 else None)
-        if isinstance(choice, str):
-            raise CheckpointError(choice)
-        if choice is None:
+        candidates = self._broadcast_object(self._choose() if self.rank == 0 else None)
+        if isinstance(candidates, str):
+            raise CheckpointError(candidates)
+        if not candidates:
             self._check_shared(self.folder)
             self.clean_temporaries()
             if self.c.initial_load_path:
                 return self._initial_load()
             logger.info("checkpoint: no checkpoint in %s, starting from scratch", self.folder)
             return 0, 0
-        path = self.folder / f"step-{choice}"
-        self._check_visible(path)  # reads only: the rerun of a finished run leaves the folder as it is
+        damaged: list[tuple[Path, str]] = []  # newer steps skipped, with what is wrong with each
+        for choice in candidates:  # newest first: the newest intact step (checksums.json), every rank agreeing
+            path = self.folder / f"step-{choice}"
+            problem = self._check_step(path, model_only=False)
+            if problem is None:
+                break
+            if self.c.load_step >= 0:  # the step asked for: no other one instead
+                raise CheckpointError(
+                    f"checkpoint.load_step = {choice}: {path} is damaged ({problem}); set checkpoint.load_step to "
+                    "another step, or move the folder away"
+                )
+            damaged.append((path, problem))
+        else:
+            found = "; ".join(f"{p.name}: {problem}" for p, problem in damaged)
+            raise CheckpointError(
+                f"checkpoint: no intact checkpoint in {self.folder} ({found}): move the damaged step folder(s) away "
+                "to start from scratch, or set checkpoint.load_step or checkpoint.initial_load_path"
+            )
         if choice < self.cfg.training.steps:  # else nothing will be saved: leave the folder as it is
             self.clean_temporaries()
+        self._skip_damaged(damaged, choice, set_aside=choice < self.cfg.training.steps)
         step = self._load_dcp(path, model_only=False, check_config=True)
         self.loaded_step = step
         return step, self._tokens_seen
 
-    def _check_visible(self, path: Path) -> None:
-        """Every rank must see the checkpoint rank 0 chose (its .metadata), else the folder is not shared: the same
-        CheckpointError on every rank, before any of them enters DCP."""
-        if self.world_size == 1:
-            return
-        seen: list[bool | None] = [None] * self.world_size
-        dist.all_gather_object(seen, (path / _METADATA).is_file())
-        blind = [r for r, ok in enumerate(seen) if not ok]
+    def _choose(self) -> list[int] | str:
+        """Rank 0: the steps to try resuming from, newest first (load_step: that one only; none: []), or an error
+        message."""
+        steps = step_folders(self.folder)
+        complete = complete_steps(self.folder)
+        if self.c.load_step < 0:
+            return sorted(steps, reverse=True)
+        if self.c.load_step not in steps:
+            return (
+                f"checkpoint.load_step = {self.c.load_step}: {self.folder} has no step-{self.c.load_step} "
+                f"(complete checkpoints: {complete or 'none'})"
+            )
+        newer = [s for s in steps if s > self.c.load_step]
+        if newer:
+            return (
+                f"checkpoint.load_step = {self.c.load_step}, but {self.folder} holds later checkpoints {newer}, which "
+                "this run's saves would overwrite; move them away or use another checkpoint.folder"
+            )
+        return [self.c.load_step]
+
+    def _check_step(self, path: Path, model_only: bool) -> str | None:
+        """Whether every rank may load step folder `path`: each rank checks its part of it against its checksums.json
+        (`_verify_step`) and one all_gather makes the decision every rank's. None (intact, or saved before checksums
+        were kept: an INFO line says it is unchecked), or what is damaged; CheckpointError when rank 0 sees neither
+        .metadata nor checksums.json (a partial folder) or another rank does not see the folder at all."""
+        # What `_verify_step`'s template is made of, made on every rank before any rank's check may stop early: the
+        # first call may run collectives (torch's get_optimizer_state_dict steps a fresh optimizer, e.g. muon_naive's)
+        self.optim.model_state_dict()
+        if not model_only:
+            self.optim.state_dict()
+        try:
+            mine = self._verify_step(path, model_only)
+        except Exception as e:  # noqa: BLE001 - told to every rank (which would otherwise wait in the gather)
+            mine = (True, f"it could not be checked ({type(e).__name__}: {e})", True)
+        views: list[tuple[bool, str | None, bool] | None] = [None] * self.world_size
+        dist.all_gather_object(views, mine)
+        if not views[0][0]:
+            raise CheckpointError(
+                f"checkpoint {path} is partial or corrupted (no {_METADATA}); remove it to resume from the one "
+                "before, or set checkpoint.load_step"
+            )
+        blind = [r for r, view in enumerate(views) if not view[0]]
         if blind:
             raise CheckpointError(
                 f"checkpoint.folder must be on a filesystem every rank sees (resolved path {self.folder}): rank(s) "
                 f"{blind} do not see {path.name}, which rank 0 resumes from; put job.dump_folder on a shared filesystem"
             )
+        found = next(((r, view[1]) for r, view in enumerate(views) if view[1]), None)
+        if found is not None:
+            rank, problem = found
+            return problem if self.world_size == 1 else f"{problem}, found by rank {rank}"
+        if not views[0][2] and self.rank == 0:
+            logger.info(
+                "checkpoint: %s has no %s (saved before checksums were kept): loading it unchecked", path, MANIFEST
+            )
+        return None
 
-    def _choose(self) -> int | str | None:
-        """Rank 0: the step to resume from (None: none), or an error message."""
-        steps = step_folders(self.folder)
-        complete = complete_steps(self.folder)
-        if self.c.load_step >= 0:
-            if self.c.load_step not in steps:
-                return (
-                    f"checkpoint.load_step = {self.c.load_step}: {self.folder} has no step-{self.c.load_step} "
-                    f"(complete checkpoints: {complete or 'none'})"
-                )
-            chosen = self.c.load_step
-        elif steps:
-            chosen = max(steps)
-        else:
-            return None
-        if chosen not in complete:
-            return (
-                f"checkpoint {steps[chosen]} is partial or corrupted (no {_METADATA}); remove it to resume from "
-                f"the one before, or set checkpoint.load_step"
+    def _verify_step(self, path: Path, model_only: bool) -> tuple[bool, str | None, bool]:
+        """This rank's check of step folder `path`, reading no file (or block) it would not read to load it:
+        (whether it sees the folder: its checksums.json or .metadata, the damage found or None, whether it was
+        checked against a checksums.json). The sizes of a share of the files (a stat each, every file by some rank);
+        the checksums of .metadata (every rank reads it), of rank 0's config.toml and marker (rank 0 reads them) and
+        of the blocks holding the bytes this rank loads (DCP's metadata, planned as dcp.load plans). A mismatch of
+        keys or shapes is not damage: `_load_dcp` names it."""
+        if not ((path / MANIFEST).is_file() or (path / _METADATA).is_file()):
+            return False, None, False
+        try:
+            manifest = read_manifest(path)
+        except DamagedError as e:
+            return True, str(e), True
+        if manifest is None:
+            return True, None, False
+        names = sorted(manifest.files)
+        problem = check_sizes(path, manifest, names[self.rank :: self.world_size])
+        if problem is None and _METADATA not in manifest.files:
+            problem = f"{MANIFEST} does not list {_METADATA}"
+        small = [n for n in names if n == _METADATA or (self.rank == 0 and not n.endswith(".distcp"))]
+        for name in small:
+            problem = problem or check_blocks(path, manifest, name)
+        if problem:
+            return True, problem, True
+        try:
+            metadata = read_metadata(path)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
+            return True, None, True  # intact as saved, yet unreadable: `_load_dcp` says so
+        saved = metadata.state_dict_metadata
+        model_only = model_only or not any(k.startswith("optimizer.") for k in saved)
+        state = self._template(saved, model_only)
+        if self._mismatch(path, state, saved):
+            return True, None, True
+        planner = SafeLoadPlanner()  # what dcp.load will read on this rank: (file, offset, length) of each item
+        planner.set_up_planner(state, metadata, self.rank == 0)
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for item in planner.create_local_plan().items:
+            info = metadata.storage_data[item.storage_index]
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for name in sorted(ranges):
+            if name not in manifest.files:
+                return True, f"{name} (which {_METADATA} names) is not in {MANIFEST}", True
+            problem = check_blocks(path, manifest, name, ranges[name])
+            if problem:
+                return True, problem, True
+        return True, None, True
+
+    def _skip_damaged(self, damaged: list[tuple[Path, str]], chosen: int, set_aside: bool) -> None:
+        """Rank 0: one WARNING line per damaged step the resume skips, and (when this run will save) the step set
+        aside as `step-<N>.damaged-<id>`: out of keep_latest_k's count, and not in the way of this run's save of
+        that step."""
+        if self.rank != 0:
+            return
+        for path, problem in damaged:
+            where = "left as it is (this run saves nothing)"
+            if set_aside:
+                aside = path.with_name(f"{path.name}.{_DAMAGED}-{uuid.uuid4().hex[:12]}")
+                try:
+                    os.rename(path, aside)
+                    where = f"moved to {aside.name}: delete it once inspected"
+                except OSError as e:  # this run's save of that step will be skipped: say what to do
+                    where = f"it could not be moved aside ({e}): move it away before this run saves that step"
+            logger.warning(
+                "checkpoint: %s is damaged (%s); resuming from step-%d, the newest intact checkpoint; %s",
+                path,
+                problem,
+                chosen,
+                where,
             )
-        newer = [s for s in steps if s > chosen]
-        if newer and self.c.enable:
-            return (
-                f"checkpoint.load_step = {chosen}, but {self.folder} holds later checkpoints {newer}, which this "
-                "run's saves would overwrite; move them away or use another checkpoint.folder"
-            )
-        return chosen
+        if damaged and set_aside:
+            _fsync(self.folder)
 
     def _initial_load(self) -> tuple[int, int]:
         path = Path(self.c.initial_load_path)
@@ -695,6 +826,11 @@ class CheckpointManager:
             )
         if kind == "hf":
             return self._initial_load_hf(path)
+        problem = self._check_step(path, model_only=self.c.initial_load_model_only)
+        if problem is not None:  # the folder asked for: no other one instead
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path} is damaged ({problem}); point it at an intact checkpoint"
+            )
         step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False)
         if self.c.initial_load_model_only:
             logger.info("checkpoint: started from the model weights of %s", path)

@@ -4,6 +4,7 @@ tests/integration/test_checkpoint.py)."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -500,3 +501,297 @@ def test_elapsed_time_is_kept_and_an_older_checkpoint_without_it_still_loads(tmp
     (seen,) = run_distributed(_elapsed_saves, 1, tmp_path)
     assert seen == [((5, 50), 0.0), ((7, 70), 1234.5)]
     assert "train_state.elapsed_s" not in read_metadata(tmp_path / "checkpoint" / "step-5").state_dict_metadata
+
+
+# ------------------------------------------------ checksums.json (titan_dmuon/components/checkpoint_integrity.py)
+def _checksummed_step(folder, block_bytes: int = 2000):
+    """A DCP save of a few tensors and a non-tensor item through ChecksummingWriter (blocks of at most `block_bytes`,
+    so that the larger items span several) and its manifest: what a commit leaves in a step folder."""
+    from titan_dmuon.components.checkpoint_integrity import ChecksummingWriter, write_manifest
+
+    gen = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(64, 32, generator=gen), "b": torch.randn(300, generator=gen), "group": [{"lr": 0.1}]}
+    writer = ChecksummingWriter(folder, sync_files=True, block_bytes=block_bytes)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    (folder / "config.toml").write_text("[model]\nname = 'llama3'\n")
+    write_manifest(folder, writer.digests, extra=["config.toml"])
+    return writer.digests
+
+
+def _items(folder) -> dict[str, tuple[str, int, int]]:
+    """Each saved item's (file, offset, length), by key, from DCP's metadata."""
+    return {k.fqn: (v.relative_path, v.offset, v.length) for k, v in read_metadata(folder).storage_data.items()}
+
+
+def test_writer_records_each_item_as_written(tmp_path):
+    """The CRC32s computed while DCP wrote equal those of the bytes on disk, for every file DCP wrote (its data file
+    and .metadata; no file is read back at save time); the data file's blocks start and end where DCP's items do,
+    so a rank that loads an item checks its bytes and no others."""
+    import zlib
+
+    from titan_dmuon.components.checkpoint_integrity import blocks_of, read_manifest
+
+    digests = _checksummed_step(tmp_path)
+    written = {p.name for p in tmp_path.iterdir()} - {"checksums.json", "config.toml"}
+    assert set(digests) == written == {".metadata", "__0_0.distcp"}
+    for name, digest in digests.items():
+        data = (tmp_path / name).read_bytes()
+        assert digest.size == len(data) and all(0 < length <= 2000 for length, _ in digest.blocks), name
+        assert all(zlib.crc32(data[s : s + n]) == crc for s, n, crc in blocks_of(digest)), name
+    starts = {s for s, _, _ in blocks_of(digests["__0_0.distcp"])} | {digests["__0_0.distcp"].size}
+    items = _items(tmp_path)
+    assert sorted(items) == ["a", "b", "group.0.lr"]
+    for _, offset, length in items.values():
+        assert offset in starts and offset + length in starts
+    assert set(read_manifest(tmp_path).files) == written | {"config.toml"}
+
+
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        ("truncate", r"^__0_0\.distcp is 4500 bytes, \d+ expected \(truncated\)$"),
+        ("delete", r"^__0_0\.distcp is missing$"),
+        ("flip", r"^__0_0\.distcp: bytes (\d+)-(\d+) differ from their checksum \(changed since the save\)$"),
+        ("flip_metadata", r"^\.metadata: bytes 0-\d+ differ from their checksum"),
+        ("grow", r"^config\.toml is \d+ bytes, \d+ expected \(grown since the save\)$"),
+        ("manifest", r"^checksums\.json is unreadable \(JSONDecodeError"),
+        ("extra_file", None),
+        ("no_manifest", None),
+    ],
+)
+def test_verify_names_the_damage(tmp_path, damage, match):
+    """A truncated, deleted or changed file (one flipped bit) is named with what is wrong; a file the manifest does
+    not list is ignored (nothing loaded changes); a folder without checksums.json (saved before it was kept) has
+    nothing to be checked against."""
+    from titan_dmuon.components.checkpoint_integrity import read_manifest, verify
+
+    _checksummed_step(tmp_path)
+    assert verify(tmp_path) is None
+    data = tmp_path / "__0_0.distcp"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:4500])
+    elif damage == "delete":
+        data.unlink()
+    elif damage == "flip":
+        _flip(data, 5432)
+    elif damage == "flip_metadata":
+        _flip(tmp_path / ".metadata", 10)
+    elif damage == "grow":
+        with open(tmp_path / "config.toml", "a") as f:
+            f.write("# edited\n")
+    elif damage == "manifest":
+        (tmp_path / "checksums.json").write_text('{"version": 1, "files": ')
+    elif damage == "extra_file":
+        (tmp_path / "notes.txt").write_text("a user's note\n")
+        (tmp_path / "__9_0.distcp").write_bytes(b"\0" * 10)
+    else:
+        (tmp_path / "checksums.json").unlink()
+        assert read_manifest(tmp_path) is None
+    problem = verify(tmp_path)
+    if match is None:
+        assert problem is None
+    else:
+        found = re.search(match, problem or "")
+        assert found, problem
+        if damage == "flip":  # the block that holds the changed byte
+            assert int(found.group(1)) <= 5432 <= int(found.group(2)) < int(found.group(1)) + 2000
+
+
+def test_only_the_blocks_a_rank_reads_are_checked():
+    """check_blocks reads the blocks that hold the given byte ranges, and no other: a changed byte in one item is
+    found by a rank that loads that item, with the item's own bytes named, and not by one that loads another item
+    (what it loads is intact)."""
+    import tempfile
+    from pathlib import Path
+
+    from titan_dmuon.components.checkpoint_integrity import FileDigest, blocks_of, check_blocks, read_manifest
+
+    digest = FileDigest(35, [(10, 1), (20, 2), (5, 3)])
+    assert blocks_of(digest, [(0, 10)]) == [(0, 10, 1)] and blocks_of(digest, [(12, 0)]) == []
+    assert blocks_of(digest, [(9, 2), (30, 5)]) == [(0, 10, 1), (10, 20, 2), (30, 5, 3)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        _checksummed_step(folder)
+        items = _items(folder)
+        (_, a_offset, a_length), (_, g_offset, g_length) = items["a"], items["group.0.lr"]
+        assert g_length < 2000  # one block: the item itself
+        _flip(folder / "__0_0.distcp", g_offset + g_length // 2)
+        manifest = read_manifest(folder)
+        assert check_blocks(folder, manifest, "__0_0.distcp", [(a_offset, a_length)]) is None
+        want = f"__0_0.distcp: bytes {g_offset}-{g_offset + g_length - 1} differ from their checksum"
+        assert check_blocks(folder, manifest, "__0_0.distcp", [(g_offset, g_length)]).startswith(want)
+        assert check_blocks(folder, manifest, "__0_0.distcp").startswith(want)
+
+
+def _saves_with_checksums(rank: int, world: int, dump, async_mode: str):
+    """Two saves (synchronous, or committed by the async save's thread): each step folder's checksums.json lists
+    every file of the folder, and verifies."""
+    import torch.distributed as dist
+
+    from titan_dmuon.components.checkpoint_integrity import read_manifest, verify
+
+    manager = _manager(rank, world, dump, "--checkpoint.async_mode", async_mode)
+    manager.save(1, 10)
+    manager.save(2, 20)
+    manager.close()
+    dist.barrier()  # rank 0's commit (in the save's thread) is done
+    out = {}
+    for step in (1, 2):
+        folder = dump / "checkpoint" / f"step-{step}"
+        manifest = read_manifest(folder)
+        out[step] = (sorted(manifest.files), sorted(p.name for p in folder.iterdir()), verify(folder))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_every_save_writes_checksums_of_every_rank_file(tmp_path, async_mode):
+    from tests._dist import run_distributed
+
+    out, _ = run_distributed(_saves_with_checksums, 2, tmp_path, async_mode)
+    for step in (1, 2):
+        listed, present, problem = out[step]
+        assert listed == [".metadata", "__0_0.distcp", "__1_0.distcp", "config.toml"]
+        assert present == sorted([*listed, "checksums.json"]) and problem is None
+
+
+def _resume_logs(rank: int, world: int, dump, *args: str):
+    """(load()'s (step, tokens) or the CheckpointError's message, the weight w loaded, rank 0's checkpoint log)."""
+    import logging
+
+    from titan_dmuon.components.checkpoint import CheckpointError
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(f"{record.levelname} {record.getMessage()}")
+    logger = logging.getLogger("titan_dmuon.components.checkpoint")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    import torch.distributed as dist
+
+    manager = _manager(rank, world, dump, *args, value=0.0)
+    manager.dataloader.seek = lambda step, rows: None  # the stand-ins keep no position or schedule
+    manager._load_lr_scheduler = lambda last_epoch: None
+    state_dict, calls = manager.optim.state_dict, []
+
+    def state_dict_with_a_collective():  # as torch's get_optimizer_state_dict of a fresh optimizer (it steps it)
+        if not calls:
+            dist.all_reduce(torch.ones(1))
+        calls.append(1)
+        return state_dict()
+
+    manager.optim.state_dict = state_dict_with_a_collective
+    try:
+        loaded = manager.load()
+    except CheckpointError as e:
+        loaded = str(e)
+    finally:
+        logger.removeHandler(handler)
+    return loaded, manager.optim.w.clone(), records
+
+
+def _damaged_resumes(rank: int, world: int, dump):
+    """Steps 2 and 4 saved (w = 2.0, 4.0); then, in turn: step-4's rank-1 file truncated (the resume takes step 2); a
+    bit flipped in rank 1's RNG state, which rank 1 alone reads (its own block: both ranks still take step 2);
+    config.toml changed, which rank 0 alone checks (while rank 1 builds its template, whose first optimizer state
+    dict runs a collective here, as torch's does for a fresh optimizer);
+    load_step = 4 at a truncated step-4 (an error); step-4 without checksums.json (a checkpoint saved before them:
+    loaded unchecked); initial_load_path at a damaged step (an error)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    for step in (2, 4):
+        _manager(rank, world, dump, value=float(step)).save(step, 10 * step)
+    folder = dump / "checkpoint"
+    shutil.copytree(folder, dump / "pristine") if rank == 0 else None
+    data = folder / "step-4" / "__1_0.distcp"
+
+    def damage(fn) -> None:  # rank 0 changes the folder while rank 1 waits
+        if rank == 0:
+            shutil.rmtree(folder)
+            shutil.copytree(dump / "pristine", folder)
+            fn()
+        dist.barrier()
+
+    seen = {}
+    damage(lambda: data.write_bytes(data.read_bytes()[:100]))
+    seen["fallback"] = (*_resume_logs(rank, world, dump), sorted(p.name for p in folder.iterdir()))
+    info = read_metadata(dump / "pristine" / "step-4").storage_data
+    rng = next(v for k, v in info.items() if k.fqn == "rng.rank1.torch")  # rank 1's alone: in its file
+    damage(lambda: _flip(folder / "step-4" / rng.relative_path, rng.offset + rng.length // 2))
+    seen["rank1_only"] = _resume_logs(rank, world, dump)
+    damage(lambda: (folder / "step-4" / "config.toml").write_text("# edited\n", encoding="utf-8") and None)
+    seen["rank0_only"] = _resume_logs(rank, world, dump)  # rank 0 alone reads config.toml, before any template
+    damage(lambda: data.write_bytes(data.read_bytes()[:100]))
+    seen["load_step"] = _resume_logs(rank, world, dump, "--checkpoint.load_step", "4")
+    damage(lambda: (folder / "step-4" / "checksums.json").unlink())
+    seen["unchecked"] = _resume_logs(rank, world, dump)
+    damage(lambda: _flip(data, 50))
+    init = ["--checkpoint.folder", "other", "--checkpoint.initial_load_path", str(folder / "step-4")]
+    seen["initial"] = _resume_logs(rank, world, dump, *init, "--checkpoint.initial_load_model_only", "false")
+    return seen
+
+
+@pytest.mark.slow
+def test_a_damaged_step_is_skipped_or_named(tmp_path):
+    """2 ranks. A resume skips the damaged newest step with one WARNING naming the file and sets it aside, loading
+    the step before it (w = 2.0 on both ranks); load_step or initial_load_path at a damaged step is an error naming
+    the damage (no other step instead); a step without checksums.json loads as before, with an INFO line."""
+    from tests._dist import run_distributed
+
+    ranks = run_distributed(_damaged_resumes, 2, tmp_path, timeout=120)
+    for rank, seen in enumerate(ranks):
+        loaded, w, log = seen["fallback"][:3]
+        assert loaded == (2, 20) and torch.equal(w, torch.full((4,), 2.0)), (rank, loaded, w)
+        warnings = [line for line in log if line.startswith("WARNING")]
+        if rank == 0:
+            assert len(warnings) == 1, warnings
+            line = warnings[0]
+            assert re.search(
+                r"step-4 is damaged \(__1_0\.distcp is 100 bytes, \d+ expected \(truncated\), found by rank \d\); "
+                r"resuming from step-2, the newest intact checkpoint; moved to step-4\.damaged-[0-9a-f]+",
+                line,
+            ), line
+            names = seen["fallback"][3]
+            assert names[0] == "step-2" and re.fullmatch(r"step-4\.damaged-[0-9a-f]+", names[1]), names
+        else:
+            assert warnings == [], warnings  # one line for the job
+        loaded, w, log = seen["rank1_only"]  # the decision is every rank's
+        assert loaded == (2, 20) and torch.equal(w, torch.full((4,), 2.0)), (rank, loaded, w)
+        if rank == 0:
+            (line,) = [line for line in log if line.startswith("WARNING")]
+            assert re.search(r"step-4 is damaged \(__1_0\.distcp: bytes \d+-\d+ differ .*, found by rank 1\)", line)
+        loaded, w, log = seen["rank0_only"]
+        assert loaded == (2, 20) and torch.equal(w, torch.full((4,), 2.0)), (rank, loaded, w)
+        if rank == 0:
+            (line,) = [line for line in log if line.startswith("WARNING")]
+            assert re.search(
+                r"step-4 is damaged \(config\.toml is 9 bytes, \d+ expected \(truncated\), found by rank 0", line
+            )
+        loaded, w, log = seen["load_step"]
+        assert re.fullmatch(
+            r"checkpoint\.load_step = 4: \S+step-4 is damaged \(__1_0\.distcp is 100 bytes, \d+ expected "
+            r"\(truncated\), found by rank \d\); set checkpoint\.load_step to another step, or move the folder away",
+            loaded,
+        ), loaded
+        loaded, w, log = seen["unchecked"]
+        assert loaded == (4, 40) and torch.equal(w, torch.full((4,), 4.0))
+        if rank == 0:
+            assert any(
+                line.startswith("INFO")
+                and "step-4 has no checksums.json (saved before checksums were kept): loading it unchecked" in line
+                for line in log
+            ), log
+        loaded, w, log = seen["initial"]
+        assert re.fullmatch(
+            r"checkpoint\.initial_load_path \S+step-4 is damaged \(__1_0\.distcp: bytes 0-\d+ differ from their "
+            r"checksum \(changed since the save\), found by rank \d\); point it at an intact checkpoint",
+            loaded,
+        ), loaded
