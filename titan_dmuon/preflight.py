@@ -43,8 +43,9 @@ def check_paths(cfg: JobConfig) -> None:
     except DataError as e:
         raise ConfigError(f"model.tokenizer: {e}") from None
     dataset("training.dataset_path", t.dataset, t.dataset_path)
-    if v.enable and v.dataset:
-        dataset("validation.dataset_path", v.dataset, v.dataset_path or t.dataset_path)
+    own = v.own_dataset(t)
+    if v.enable and own is not None:
+        dataset("validation.dataset_path", *own)
     path = cfg.checkpoint.initial_load_path
     if path and not os.path.isdir(path):
         raise ConfigError(

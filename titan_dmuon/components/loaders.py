@@ -32,8 +32,9 @@ def build_job_dataloader(
     VAL_FRACTION. Bad data is a ConfigError (checked before the model is built, the same on every rank)."""
     t, v = cfg.training, cfg.validation
     dataset, path, fraction = t.dataset, t.dataset_path, VAL_FRACTION
-    if split == "val" and v.dataset:  # a dataset of its own: all of it is validation data
-        dataset, path, fraction = v.dataset, v.dataset_path or t.dataset_path, 1.0
+    own = v.own_dataset(t)
+    if split == "val" and own is not None:  # a dataset of its own: all of it is validation data
+        (dataset, path), fraction = own, 1.0
     batch = global_batch_size(cfg, dp_world_size) if split == "train" else None  # val: local x DP rows
     what = "training data" if split == "train" else "validation data"
     try:

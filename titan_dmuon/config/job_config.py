@@ -554,6 +554,12 @@ class Validation:
         """Its own ranges; whether a dataset path is given (here or in [training]) is `validate_config`'s."""
         _at_least("validation", 1, freq=self.freq, steps=self.steps)
 
+    def own_dataset(self, training: Training) -> tuple[str, str] | None:
+        """(kind, path) of a validation dataset of its own, its path defaulting to training.dataset_path; None when
+        validation reads a held-out split of the training data. The one statement of that rule: the loaders, the
+        config check and the launch's path check read it here."""
+        return (self.dataset, self.dataset_path or training.dataset_path) if self.dataset else None
+
 
 @dataclass
 class JobConfig:

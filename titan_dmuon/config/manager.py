@@ -274,9 +274,10 @@ def validate_config(cfg: JobConfig) -> JobConfig:
             validate()
 
     # Across sections.
-    t, v = cfg.training, cfg.validation
+    v = cfg.validation
+    own = v.own_dataset(cfg.training)
     require(
-        not v.enable or v.dataset in ("", "stdlib") or bool(v.dataset_path or t.dataset_path),
+        not v.enable or own is None or own[0] == "stdlib" or bool(own[1]),
         f"validation.dataset_path is required for validation.dataset = {v.dataset!r}",
     )
     return cfg
