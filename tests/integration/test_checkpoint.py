@@ -214,7 +214,10 @@ def test_kill_during_async_save_resumes_from_the_newest_complete(runs, tmp_path)
     survivors = checkpoints(tmp_path)
     newest = max(int(n.split("-")[1]) for n in survivors)
     assert 3 <= newest < STEPS
-    assert len(survivors) <= 2
+    # keep_latest_k=2, pruned only once the new step is in place: a kill between that rename and the prune leaves
+    # three, never more, and always the newest consecutive ones (never an older one kept over a newer)
+    steps = sorted(int(n.split("-")[1]) for n in survivors)
+    assert 2 <= len(steps) <= 3 and steps == list(range(newest - len(steps) + 1, newest + 1)), survivors
     for name in survivors:  # every committed checkpoint is whole
         assert read_checkpoint(folder / name)["train_state.step"].item() == int(name.split("-")[1])
     proc = _ok(
