@@ -1,7 +1,8 @@
 """Train a model: python train.py --config train_configs/debug_model.toml [--section.field value ...]
 
 Multi-process: torchrun --standalone --nproc_per_node N train.py --config ... (or ./run_train.sh).
-Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N or --job.dry_run_nodes M (planner.py).
+Plan a cluster from this machine: --job.dry_run --job.dry_run_world_size N or --job.dry_run_nodes M
+(titan_dmuon/planner/).
 Multi-node: scripts/multinode_trainer.slurm (sbatch); docs/training.md, Launching.
 Exit status: 0 done, 1 training diverged (NaN/inf loss or grad norm) or failed (also when a peer rank died or hung:
 a collective timed out, comm.*_timeout_seconds), 2 configuration error, 128 + N stopped by signal N (143 SIGTERM,
@@ -69,7 +70,7 @@ def _train(cfg) -> tuple[int, str | None]:
 
 
 def _dry_run(cfg) -> int:
-    """--job.dry_run: plan the run on a fake process group (titan_dmuon/planner.py) and exit."""
+    """--job.dry_run: plan the run on a fake process group (titan_dmuon/planner/) and exit."""
     from titan_dmuon.planner import dry_run
     from titan_dmuon.trainer import set_up_logging
 

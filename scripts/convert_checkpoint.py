@@ -5,20 +5,20 @@
     python scripts/convert_checkpoint.py outputs/checkpoint/step-1000 model.pt --format torch
     python scripts/convert_checkpoint.py Llama-3.1-8B/ outputs/init-dcp --format dcp --model.flavor 8B
 
-The source of a DCP conversion is one checkpoint folder (`step-<N>`, with DCP's `.metadata`) whose model weights
-are the keys `model.<fqn>` (titan_dmuon/components/checkpoint.py saves them so). The model configuration is the job's:
+The source of a DCP conversion is one checkpoint folder (`step-<N>`, with DCP's `.metadata`) whose model weights are the
+keys `model.<fqn>` (titan_dmuon/components/checkpoint/manager.py saves them so). The model configuration is the job's:
 the TOML saved with the checkpoint (`config.toml` in the step folder or its parent), else `--config PATH`, else the
-defaults; any `--section.field value` of train.py overrides it (`--model.flavor 8B`). The vocabulary size is read
-from the checkpoint's tensors. An HF folder also gets the job's tokenizer (`model.tokenizer`: the byte tokenizer's
-Hugging Face form, or a copy of the HF tokenizer's files; `--model.tokenizer PATH` where the saved path does not
-resolve here, `--no-tokenizer` for the weights alone), its BOS/EOS/PAD ids in config.json and a
-generation_config.json. No process group is started: tensors are read from the checkpoint in groups of
-at most `--max-shard-size` bytes and written as safetensors shards of at most that size, so memory stays within
-a few times the larger of that size and the largest tensor, whatever the model's size (`--format torch` writes
-one file and so holds the whole model; so does `--format dcp`). The conversions are
-titan_dmuon/components/export.py's (`checkpoint.last_save_in_hf` runs the same one after training).
-Checkpoints are read as titan_dmuon/components/checkpoint.py loads them: no code is unpickled (a `.metadata` naming
-other classes is refused). Errors (not a checkpoint, another model configuration) print one line and exit 2.
+defaults; any `--section.field value` of train.py overrides it (`--model.flavor 8B`). The vocabulary size is read from
+the checkpoint's tensors. An HF folder also gets the job's tokenizer (`model.tokenizer`: the byte tokenizer's Hugging
+Face form, or a copy of the HF tokenizer's files; `--model.tokenizer PATH` where the saved path does not resolve here,
+`--no-tokenizer` for the weights alone), its BOS/EOS/PAD ids in config.json and a generation_config.json. No process
+group is started: tensors are read from the checkpoint in groups of at most `--max-shard-size` bytes and written as
+safetensors shards of at most that size, so memory stays within a few times the larger of that size and the largest
+tensor, whatever the model's size (`--format torch` writes one file and so holds the whole model; so does
+`--format dcp`). The conversions are titan_dmuon/components/checkpoint/convert.py's (`checkpoint.last_save_in_hf` runs
+the same one after training). Checkpoints are read as a resume reads them (titan_dmuon/components/checkpoint/dcp_io.py):
+no code is unpickled (a `.metadata` naming other classes is refused). Errors (not a checkpoint, another model
+configuration) print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from titan_dmuon.components.export import ExportError, dcp_to_torch, export_dcp_to_hf, hf_to_dcp, job_config
+    from titan_dmuon.components.checkpoint.convert import (
+        ExportError,
+        dcp_to_torch,
+        export_dcp_to_hf,
+        hf_to_dcp,
+        job_config,
+    )
 
     dtype = None if args.export_dtype is None else getattr(torch, _DTYPES[args.export_dtype])
     try:

@@ -45,8 +45,8 @@ class GenerateError(Exception):
 
 def resolve_source(src: Path) -> tuple[str, Path]:
     """("dcp" | "hf", folder): a step folder, the newest complete step of a checkpoint folder, or an HF folder."""
-    from titan_dmuon.components.checkpoint import complete_steps
-    from titan_dmuon.components.hf import is_hf_folder
+    from titan_dmuon.components.checkpoint.folder import complete_steps
+    from titan_dmuon.components.checkpoint.hf_io import is_hf_folder
 
     if (src / ".metadata").is_file():
         return "dcp", src
@@ -105,8 +105,9 @@ def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device,
     the ones whose HF config has its config.json's model_type and shapes, unless `given` ("name", "flavor")."""
     import torch.distributed.checkpoint as dcp
 
-    from titan_dmuon.components.export import check_shapes, read_dcp_metadata
-    from titan_dmuon.components.hf import load_hf_weights
+    from titan_dmuon.components.checkpoint import SafeLoadPlanner, SafeReader
+    from titan_dmuon.components.checkpoint.convert import check_shapes, read_dcp_metadata
+    from titan_dmuon.components.checkpoint.hf_io import load_hf_weights
     from titan_dmuon.components.model import build_meta_model, get_model_spec, model_vocab_size
     from titan_dmuon.config import ConfigError
 
@@ -148,7 +149,8 @@ def load_model(kind: str, src: Path, cfg, vocab_size: int, max_len: int, device,
         check_shapes({k: tuple(t.shape) for k, t in sd.items()}, found, src, "weights")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": sd}, checkpoint_id=str(src), no_dist=tp_mesh is None)
+            # the safe reader: a checkpoint folder from elsewhere must not run code through its pickled metadata
+            dcp.load({"model": sd}, storage_reader=SafeReader(src), planner=SafeLoadPlanner(), no_dist=tp_mesh is None)
     return model.eval()
 
 
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from titan_dmuon.components.export import ExportError, job_config
+    from titan_dmuon.components.checkpoint.convert import ExportError, job_config
     from titan_dmuon.components.generation import Sampling, generate
     from titan_dmuon.components.model import get_model_spec
 

@@ -36,6 +36,7 @@ from titan_dmuon.components.loaders import build_job_dataloader, global_batch_si
 from titan_dmuon.components.lr_scheduler import build_lr_scheduler
 from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec, model_vocab_size
+from titan_dmuon.components.moe import moe_layers, moe_stats, set_aux_loss_scale, update_moe_bias
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_dmuon.components.validate import Validator
@@ -146,8 +147,8 @@ class Trainer:
             f"{self.num_params:,}",
             self.flops_per_token,
         )
-        # 7. Parallelize on meta: TP -> AC -> compile -> the optimizer component's prepare (the params it keeps from
-        #    FSDP2) -> FSDP2.
+        # 7. Parallelize on meta: TP -> EP -> AC -> compile -> the optimizer component's prepare (the params it keeps
+        #    from FSDP2) -> FSDP2 (titan_dmuon/parallel/parallelize.py).
         self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optimizer_component)
         #     Loss parallel (TP): the model's logits stay sharded over the vocabulary (see `_loss_parallel`).
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
@@ -160,10 +161,9 @@ class Trainer:
         #     starts from the same weights on any cluster shape (titan_dmuon/components/initialization.py).
         materialize(self.model, self.spec, self.optimizer_component, self.device, self.seed)
         #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
-        #     checkpointing): scaled as the loss is, by 1 / accumulation steps.
-        for module in self.model.modules():
-            if hasattr(module, "aux_loss_scale"):
-                module.aux_loss_scale = 1.0 / t.gradient_accumulation_steps
+        #     checkpointing): scaled as the loss is, by 1 / accumulation steps (titan_dmuon/components/moe.py).
+        self.has_moe = bool(moe_layers(self.model))
+        set_aux_loss_scale(self.model, 1.0 / t.gradient_accumulation_steps)
         self._moe_scalars: dict[str, torch.Tensor] = {}
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optimizer_component.build()
@@ -312,7 +312,7 @@ class Trainer:
             )
         self.optimizer.step()
         self.lr_scheduler.step()
-        if self.spec.moe_stats is not None:
+        if self.has_moe:
             self._moe_scalars = self._moe_after_step()
         return loss_value, norm_value, ntokens
 
@@ -323,16 +323,13 @@ class Trainer:
         metrics: the auxiliary loss (mean over ranks) and the most and least loaded expert of any layer, as a
         fraction of the mean load (1 = balanced), as device scalars (read on log steps only: no host sync here).
         Tokens are never dropped (no capacity limit)."""
-        stats = self.spec.moe_stats(self.model)
+        stats = moe_stats(self.model)
         counts = stats["tokens_per_expert"].to(self.device, torch.float64)
-        if counts.numel() == 0:
-            return {}
         aux = stats["aux_loss"].to(self.device, torch.float64).reshape(1)
         flat = torch.cat([counts.flatten(), aux])
         dist.all_reduce(flat)
         counts = flat[:-1].view_as(counts)
-        if self.spec.update_moe_bias is not None:
-            self.spec.update_moe_bias(self.model, counts)
+        update_moe_bias(self.model, counts)
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         load = counts / mean
         return {"moe/aux_loss": flat[-1] / self.world_size, "moe/max_load": load.max(), "moe/min_load": load.min()}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from tests._dist import run_distributed
+from titan_dmuon.components.moe import MoELayer
 from titan_dmuon.parallel.expert_parallel import AllToAllDispatcher, all_to_all_bytes, apply_ep
 
 DIM, HIDDEN, E, TOP_K, TOKENS = 8, 12, 8, 2, 6
@@ -78,9 +79,10 @@ class IdentityDispatcher:
         return out
 
 
-class TinyMoE(nn.Module):
-    """Top-k routing; the (token, slot) rows sorted by expert go through dispatcher -> experts -> combine (under
-    activation checkpointing when `checkpointed`), then are weighted and summed back into their tokens."""
+class TinyMoE(MoELayer):
+    """An MoE layer of its own (the protocol of titan_dmuon/components/moe.py, not the model core's MoE): top-k
+    routing; the (token, slot) rows sorted by expert go through dispatcher -> experts -> combine (under activation
+    checkpointing when `checkpointed`), then are weighted and summed back into their tokens."""
 
     def __init__(self, w: dict[str, torch.Tensor]):
         super().__init__()
@@ -291,19 +293,18 @@ def bytes_job(rank: int, world: int, layers: int) -> dict:
 
 
 def apply_ep_job(rank: int, world: int) -> dict:
-    """apply_ep on a meta model with two MoE modules and two look-alikes it must leave alone; off meta, the local
-    slices of the full weights; a number of experts the EP degree does not divide."""
+    """apply_ep on a meta model with two MoE layers and a look-alike that is no MoELayer (left alone); off meta, the
+    local slices of the full weights; a number of experts the EP degree does not divide, and an MoE layer without
+    expert stacks (both refused, before anything changes)."""
     mesh = ep_mesh(world)
     model = nn.ModuleDict(
         dict(
             a=TinyMoE(full_weights()),
             b=TinyMoE(full_weights()),
             no_dispatcher=nn.Module(),
-            not_3d=TinyMoE(full_weights()),
         )
     )
     model["no_dispatcher"].experts = TinyExperts(full_weights())
-    model["not_3d"].experts = nn.Linear(DIM, DIM)
     model["b"].experts.w2.requires_grad_(False)
     model.to("meta")
     changed = apply_ep(model, mesh)
@@ -319,7 +320,15 @@ def apply_ep_job(rank: int, world: int) -> dict:
         for m in ("a", "b", "no_dispatcher")
         for k, p in model[m].experts._parameters.items()
     }
-    dispatchers = {m: type(model[m].dispatcher).__name__ for m in ("a", "b", "not_3d")}
+    dispatchers = {m: type(model[m].dispatcher).__name__ for m in ("a", "b")}
+    flat = nn.ModuleDict(dict(ok=TinyMoE(full_weights()), not_3d=TinyMoE(full_weights()))).to("meta")
+    flat["not_3d"].experts = nn.Linear(DIM, DIM, device="meta")
+    try:
+        apply_ep(flat, mesh)
+        flat_error = None
+    except ValueError as e:
+        flat_error = str(e)
+    flat_untouched = type(flat["ok"].dispatcher).__name__ == "IdentityDispatcher"
 
     real = TinyMoE(full_weights())
     apply_ep(real, mesh)
@@ -352,6 +361,8 @@ def apply_ep_job(rank: int, world: int) -> dict:
         changed=changed,
         params=params,
         dispatchers=dispatchers,
+        flat_error=flat_error,
+        flat_untouched=flat_untouched,
         slices_ok=slices_ok,
         error=error,
         odd=odd,
@@ -405,7 +416,9 @@ def test_apply_ep_meta():
     full = full_weights()
     for r in results:
         assert r["changed"] == 2
-        assert r["dispatchers"] == dict(a="AllToAllDispatcher", b="AllToAllDispatcher", not_3d="IdentityDispatcher")
+        assert r["dispatchers"] == dict(a="AllToAllDispatcher", b="AllToAllDispatcher")
+        assert r["flat_error"] == "not_3d: an MoE layer whose experts hold no 3-D expert stack", r["flat_error"]
+        assert r["flat_untouched"], "every layer is checked before any is changed"
         for name, info in r["params"].items():
             module, k = name.split(".")
             if module == "no_dispatcher":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._dist import run_distributed
+from titan_dmuon.components.moe import moe_layers
 
 B, T, VOCAB, COEF, DEADLINE = 4, 16, 258, 1.0, 240
 
@@ -53,7 +54,7 @@ def _rank(rank: int, world: int, dump: str, accum: int) -> dict:
     try:
         model = trainer.model
         assert model.tok_embeddings.weight.shape[0] == VOCAB
-        moes = [m for m in model.modules() if hasattr(m, "aux_loss_scale")]
+        moes = moe_layers(model)
         assert moes
         for m in moes:
             m.aux_loss_coef = COEF
@@ -79,7 +80,7 @@ def _reference(sd0: dict[str, torch.Tensor], accum: int) -> tuple[dict[str, torc
 
     model = build_model("tinymodel_moe", vocab_size=VOCAB, max_seq_len=T, device="cpu")
     model.load_state_dict(sd0)
-    moes = [m for m in model.modules() if hasattr(m, "aux_loss_scale")]
+    moes = moe_layers(model)
     gate_logits: list[torch.Tensor] = []
     for m in moes:
         m.aux_loss_coef = 0.0  # nothing injected: the aux loss is written out below

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from tests._dist import run_distributed
 from tests.reference import fp32_torch_muon
+from titan_dmuon.components.moe import moe_layers, moe_stats, update_moe_bias
 
 STEPS, B, T, VOCAB, RTOL, DEADLINE = 8, 2, 16, 258, 5e-5, 300
 HP = {
@@ -69,13 +70,9 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _moe_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "aux_loss_scale")]
-
-
 def _block_expert_zero(model: nn.Module) -> None:
     """Expert 0 of every MoE layer never selected: its selection bias far below the others."""
-    for m in _moe_modules(model):
+    for m in moe_layers(model):
         bias = m.router.expert_bias
         bias = bias.to_local() if hasattr(bias, "to_local") else bias
         bias[0] = -1e9
@@ -128,7 +125,7 @@ def reference(sd0: dict[str, torch.Tensor], n_dp: int, empty: bool, steps: int =
     model.load_state_dict(sd0)
     if empty:
         _block_expert_zero(model)
-    for m in _moe_modules(model):
+    for m in moe_layers(model):
         m.aux_loss_scale = 1.0 / n_dp
     regex = re.compile(MUON_PARAMS)
     named = dict(model.named_parameters())
@@ -172,8 +169,8 @@ def reference(sd0: dict[str, torch.Tensor], n_dp: int, empty: bool, steps: int =
             with torch.no_grad():
                 for n, p in stacks.items():
                     p.copy_(torch.stack([s.data for s in slices[n]]))
-            counts = SPEC.moe_stats(model)["tokens_per_expert"]
-            SPEC.update_moe_bias(model, counts.to(torch.float64))
+            counts = moe_stats(model)["tokens_per_expert"]
+            update_moe_bias(model, counts.to(torch.float64))
             losses.append(total)
     return {"losses": losses, "norms": norms, "sd": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 

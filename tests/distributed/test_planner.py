@@ -1,4 +1,4 @@
-"""The dry-run planner (titan_dmuon/planner.py) against real gloo runs, and on the shipped 8B / 70B configs.
+"""The dry-run planner (titan_dmuon/planner/) against real gloo runs, and on the shipped 8B / 70B configs.
 
 A real 4-rank run of the debug model measures, on every rank, after its second step: the DMuon ledger
 (dmuon.comm_stats: elements and bytes per collective kind) and the resident tensors (FSDP2 param shards,
@@ -144,32 +144,31 @@ def test_planner_equals_a_real_four_rank_run(layout, tmp_path) -> None:
 
 
 def test_planner_coordinates_are_the_device_mesh_ones() -> None:
-    """The planner's coordinates of every rank (Mesh.coords, expert_rank) are those the run's DeviceMesh gives it:
-    each rank of a 16-rank world in turn, on a fake process group, with EP (the efsdp x ep split of the shard
-    axis, the flattened expert shard axis under TP) and without."""
+    """The coordinates the planner places every rank at (ParallelDims.coordinates, rank_of, expert_rank_of) are
+    those the run's DeviceMeshes give it: each rank of a 16-rank world in turn, on a fake process group, with EP
+    (the efsdp x ep split of the shard axis, the flattened expert shard axis under TP) and without."""
     code = textwrap.dedent(
         """
         import torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from titan_dmuon.parallel import ParallelDims
-        from titan_dmuon.planner import Mesh
 
         for R, N, T, E in [(1, 8, 2, 2), (2, 4, 2, 2), (2, 8, 1, 4), (1, 4, 4, 1)]:
             W = R * N * T
-            mesh = Mesh(R, N, T, E)
-            coords = mesh.coords()
             for g in range(W):
-                dist.init_process_group("fake", store=FakeStore(), rank=g, world_size=W)
                 dims = ParallelDims(dp_replicate=R, dp_shard=N, tp=T, world_size=W, ep=E)
-                dm = dims.build_mesh("cpu")
-                names = ["replicate", "shard", "tp"] + (["efsdp", "ep"] if E > 1 else [])
-                for name in names:
-                    assert dm[name].get_local_rank() == coords[name][g], (R, N, T, E, g, name)
+                coords = dims.coordinates()
+                dist.init_process_group("fake", store=FakeStore(), rank=g, world_size=W)
+                dims.build_mesh("cpu")
+                meshes = dims.meshes
+                for name in ("replicate", "shard", "tp"):
+                    assert getattr(meshes, name).get_local_rank() == coords[name][g], (R, N, T, E, g, name)
                 if E > 1:
-                    es = dims.expert_dp_mesh(dm).get_local_rank()
-                    assert es == coords["expert_shard"][g], (R, N, T, E, g)
-                    assert mesh.expert_rank(int(coords["replicate"][g]), es, dm["ep"].get_local_rank()) == g
-                assert mesh.rank(int(coords["replicate"][g]), int(coords["shard"][g]), int(coords["tp"][g])) == g
+                    es, ep = meshes.expert_dp.get_local_rank(), meshes.ep.get_local_rank()
+                    assert (es, ep) == (coords["expert_shard"][g], coords["ep"][g]), (R, N, T, E, g)
+                    assert coords["efsdp"][g] == es // T and coords["shard"][g] == coords["efsdp"][g] * E + ep
+                    assert dims.expert_rank_of(int(coords["replicate"][g]), es, ep) == g
+                assert dims.rank_of(int(coords["replicate"][g]), int(coords["shard"][g]), int(coords["tp"][g])) == g
                 dist.destroy_process_group()
         print("ok")
         """

@@ -1,4 +1,4 @@
-"""Checkpoints through train.py (titan_dmuon/components/checkpoint.py), on real gloo ranks.
+"""Checkpoints through train.py (titan_dmuon/components/checkpoint/), on real gloo ranks.
 
 Every run trains the `tinymodel` flavor 10 steps on one global batch of 8 x 32 tokens, saving every 5 steps.
 A "straight" run per layout (10 steps, its step-5 checkpoint kept) is shared by the tests below through a

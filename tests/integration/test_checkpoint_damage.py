@@ -1,4 +1,4 @@
-"""Damaged checkpoints through train.py (checksums.json: titan_dmuon/components/checkpoint_integrity.py), on real gloo
+"""Damaged checkpoints through train.py (checksums.json: titan_dmuon/components/checkpoint/integrity.py), on real gloo
 ranks.
 
 A 2-rank FSDP run trains the `tinymodel` flavor 4 steps on a global batch of 8 x 32 tokens, saving asynchronously at
@@ -190,7 +190,7 @@ def test_keep_latest_k_1_keeps_an_intact_step(runs, tmp_path):
     """keep_latest_k = 1, a save every step, step-4 damaged: the rerun resumes from step 2 and saves 3 and 4; the
     damaged step is not one of the kept, so what is left is the rerun's own step 4, intact, beside the damaged one
     set aside."""
-    from titan_dmuon.components.checkpoint_integrity import verify
+    from titan_dmuon.components.checkpoint.integrity import verify
 
     folder = copy_steps(runs.source, tmp_path, 2, 4)
     damage(folder / "step-4", "truncate")

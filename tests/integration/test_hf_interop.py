@@ -13,7 +13,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests._scripts import load_script
-from titan_dmuon.components.hf import export_hf, load_hf_weights
+from titan_dmuon.components.checkpoint.hf_io import export_hf, load_hf_weights
 from titan_dmuon.models.llama3 import SPEC, build_model
 
 transformers = pytest.importorskip("transformers")

@@ -77,7 +77,7 @@ def test_initial_load_from_hf_moe_folder_on_ep2_matches_1_process(tmp_path) -> N
     reads only the experts of its shard), starts from the 1-process model: the same first loss."""
     import torch
 
-    from titan_dmuon.components.hf import export_hf
+    from titan_dmuon.components.checkpoint.hf_io import export_hf
     from titan_dmuon.models.qwen3 import SPEC, build_model
 
     torch.manual_seed(123)

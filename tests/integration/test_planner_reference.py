@@ -1,4 +1,4 @@
-"""The dry-run planner's totals (titan_dmuon/planner.py) against bytes counted here by hand from the model.
+"""The dry-run planner's totals (titan_dmuon/planner/) against bytes counted here by hand from the model.
 
 tests/distributed/test_planner.py holds the planner's five resident kinds and its ledger kinds to a real run;
 the totals built from them (resident total, peak, DMuon's total bytes per step, the naive FSDP2 + Muon and

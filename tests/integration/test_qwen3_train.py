@@ -99,7 +99,7 @@ def test_muon_naive_4_ranks_matches_dmuon(tmp_path, fsdp_4_ranks) -> None:
 # ------------------------------------------------------------------------------------ Hugging Face start
 def _hf_folder(folder: Path, vocab: int = VOCAB) -> Path:
     """A tied tinymodel (seed 123, not the runs' seed 7) exported as a Hugging Face Qwen3 folder."""
-    from titan_dmuon.components.hf import export_hf
+    from titan_dmuon.components.checkpoint.hf_io import export_hf
     from titan_dmuon.models.qwen3 import SPEC, build_model
 
     torch.manual_seed(123)
@@ -138,8 +138,8 @@ def _tp_rank(rank: int, world: int, folder: str) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
+    from titan_dmuon.components.checkpoint.hf_io import load_hf_weights
     from titan_dmuon.components.generation import Sampling, generate
-    from titan_dmuon.components.hf import load_hf_weights
     from titan_dmuon.models.qwen3 import SPEC, build_model
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -1,4 +1,4 @@
-"""Saving and resuming against references that do not run the checkpoint code (titan_dmuon/components/checkpoint.py).
+"""Saving and resuming against references that do not run the checkpoint code (titan_dmuon/components/checkpoint/).
 
 test_checkpoint.py compares a resumed run with a straight run that also saved: a save that changes the live
 state (rounds the optimizer state, re-seeds or advances a generator, advances the data loader) before it

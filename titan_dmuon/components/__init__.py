@@ -1,2 +1,3 @@
-"""Pluggable parts chosen by name from the config: model families (`model.py`, `model.name`) and optimizers
-(`optimizer/`, `optimizer.name`). Import the submodule you need; this package imports nothing on its own."""
+"""The trainer's parts, one idea a module: the model registry (`model.py`, `model.name`), the optimizer components
+(`optimizer/`, `optimizer.name`), checkpointing, data loaders, the lr schedule, metrics, profiling, validation and
+generation. Import the submodule you need; this package imports nothing on its own."""

@@ -59,7 +59,8 @@ class ModelSpec:
     """`model` -> its repeated blocks as (FQN, module), in forward order: the units of activation checkpointing,
     compile, FSDP2 sharding and DMuon's broadcast/reduce hooks."""
     muon_params: str
-    """Regex over parameter FQNs: the 2D params Muon takes when `optimizer.muon_params` is empty."""
+    """Regex over parameter FQNs: the matrices Muon takes when `optimizer.muon_params` is empty (2-D weights, and
+    3-D expert stacks, each of whose slices is one matrix)."""
     param_inits: Callable[[nn.Module], Mapping[str, ParamInit]]
     """`model` -> every parameter's initial distribution by FQN; read from the (meta) model's shapes, never its
     values."""
@@ -86,16 +87,8 @@ class ModelSpec:
     blocks, used with `per_head_wo`); None = the family has none (per_head is then a config error)."""
     state_dict_adapter: Callable[[nn.Module], Any] | None = None
     """`model` (built, on meta or not) -> its Hugging Face state-dict adapter: our FQNs <-> HF names and layouts and
-    the HF config.json (titan_dmuon/components/hf.py's `StateDictAdapter`: export_hf, load_hf_weights and
+    the HF config.json (titan_dmuon/components/checkpoint/hf_io.py's `StateDictAdapter`: export_hf, load_hf_weights and
     scripts/convert_checkpoint.py use it); None = the family has no HF counterpart."""
-    moe_stats: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
-    """`model` -> {"tokens_per_expert": int64 [n_moe_layers, E] counted on this rank since the last call,
-    "aux_loss": fp32 scalar, the mean over layers and micro-batches since the last call}, resetting the counters
-    (for the metrics, and the counts for `update_moe_bias`); None = the family has no mixture-of-experts."""
-    update_moe_bias: Callable[[nn.Module, torch.Tensor], None] | None = None
-    """`(model, global tokens_per_expert [n_moe_layers, E])` -> updates each MoE layer's auxiliary-loss-free
-    balancing bias (after each optimizer step; the counts summed over every rank first, so every rank moves its
-    bias alike); a no-op when the flavor's bias update rate is 0. None = the family has no mixture-of-experts."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

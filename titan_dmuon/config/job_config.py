@@ -38,7 +38,7 @@ class Job:
     dry_run: bool = False
     """Plan the run instead of training it: build the real model and the real TP/DMuon/FSDP2 placement on meta
     tensors over a fake process group of dry_run_world_size ranks (no GPU, no memory), print per-rank memory, the
-    LPT plan and the bytes per step, and exit (titan_dmuon/planner.py).
+    LPT plan and the bytes per step, and exit (titan_dmuon/planner/).
     """
     dry_run_world_size: int = 0
     """Ranks the dry run plans for (the parallelism degrees are resolved against it as for a real launch); 0 =
@@ -398,7 +398,7 @@ class Comm:
 
 @dataclass
 class Checkpoint:
-    """[checkpoint]: sharded DCP checkpoints (titan_dmuon/components/checkpoint.py); train.py resumes from the newest
+    """[checkpoint]: sharded DCP checkpoints (titan_dmuon/components/checkpoint/); train.py resumes from the newest
     one."""
 
     enable: bool = False
@@ -442,7 +442,7 @@ class Checkpoint:
 
     def validate(self) -> None:
         """The ranges and the folder; whether this machine can pin memory for async_with_pinned_mem is checked
-        where the checkpointer is built (components/checkpoint.py)."""
+        where the checkpointer is built (components/checkpoint/manager.py)."""
         require(self.interval >= 1, f"checkpoint.interval must be >= 1, got {self.interval}")
         require(
             self.keep_latest_k >= 0,

@@ -303,19 +303,40 @@ def validate_parallelism(cfg: JobConfig, world_size: int, ranks_per_node: int | 
                 f"= {dp_replicate * tp}"
             )
         dp_shard = rest
-    product = dp_replicate * dp_shard * tp
+    problem = parallel_degrees_problem(dp_replicate, dp_shard, tp, world_size, p.expert_parallel_degree)
+    if problem is not None:
+        raise ConfigError(problem)
+    return dp_replicate, dp_shard, tp
+
+
+def parallel_degrees_problem(replicate: int, shard: int, tp: int, world_size: int, ep: int = 1) -> str | None:
+    """The one rule resolved parallel degrees obey: each is >= 1, replicate x shard x tp is the world size, and the
+    expert-parallel degree divides the shard degree (expert parallelism borrows its ranks from the shard axis).
+    None when they do, else what is wrong, in the config's keys. `validate_parallelism` (at launch) and ParallelDims
+    (titan_dmuon/parallel/parallel_dims.py, on every construction) both ask it, so the rule is stated here only;
+    it needs no torch, as the config package must not (titan_dmuon/preflight.py imports it without torch)."""
+    degrees = {
+        "data_parallel_replicate_degree": replicate,
+        "data_parallel_shard_degree": shard,
+        "tensor_parallel_degree": tp,
+        "expert_parallel_degree": ep,
+    }
+    for key, value in degrees.items():
+        if value < 1:
+            return f"parallelism.{key} must be >= 1, got {value}"
+    product = replicate * shard * tp
     if product != world_size:
-        raise ConfigError(
-            f"parallelism degrees do not match the world size: data_parallel_replicate_degree ({dp_replicate}) x "
-            f"data_parallel_shard_degree ({dp_shard}) x tensor_parallel_degree ({tp}) = {product}, "
+        return (
+            f"parallelism degrees do not match the world size: data_parallel_replicate_degree ({replicate}) x "
+            f"data_parallel_shard_degree ({shard}) x tensor_parallel_degree ({tp}) = {product}, "
             f"but the world size is {world_size}"
         )
-    if dp_shard % p.expert_parallel_degree:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree ({p.expert_parallel_degree}) must divide "
-            f"data_parallel_shard_degree ({dp_shard}): expert parallelism borrows its ranks from the shard axis"
+    if shard % ep:
+        return (
+            f"parallelism.expert_parallel_degree ({ep}) must divide data_parallel_shard_degree ({shard}): "
+            "expert parallelism borrows its ranks from the shard axis"
         )
-    return dp_replicate, dp_shard, tp
+    return None
 
 
 def _replicas_per_node(world_size: int, ranks_per_node: int | None, dp_shard: int, tp: int) -> int:

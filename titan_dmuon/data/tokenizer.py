@@ -2,7 +2,8 @@
 
 A tokenizer's ``fingerprint`` names exactly what it encodes to; pre-tokenized shards record it, so training
 from them with another tokenizer is caught before the model is built. ``save_hf(folder)`` writes either one as
-Hugging Face tokenizer files (what a Hugging Face export puts beside the weights, titan_dmuon/components/hf.py).
+Hugging Face tokenizer files (what a Hugging Face export puts beside the weights,
+titan_dmuon/components/checkpoint/hf_io.py).
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from . import partition
+from . import costs, partition
 from .api import (
     dedicate_params,
     dedicate_params_ddp,
     dedicate_params_ddp_tp,
+    dedicated_matrices,
     get_dedicated_params,
     get_owned_params,
     replicate,
@@ -36,6 +37,8 @@ from .newton_schulz import (
     cpu_has_native_bf16,
     default_ns_dtype,
     get_ns_backend,
+    gram_restarts,
+    resolve_coefficients,
     zeropower_via_newtonschulz,
 )
 from .options import DTYPES, MuonOptions, OptionError, to_dtype
@@ -119,20 +122,24 @@ __all__ = [
     "momentum_update",
     "to_dtype",
     "clip_grad_norm_",
+    "costs",
     "dedicate_params",
     "dedicate_params_ddp",
     "dedicate_params_ddp_tp",
+    "dedicated_matrices",
     "get_dedicated_params",
     "get_model_state_dict",
     "get_ns_backend",
     "get_optimizer_state_dict",
     "get_owned_params",
+    "gram_restarts",
     "init_dedicated_params",
     "install_patch",
     "no_sync",
     "partition",
     "replicate",
     "replicate_tp",
+    "resolve_coefficients",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "zeropower_via_newtonschulz",

@@ -11,12 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from . import costs
 from . import ddp as _ddp
 from . import replicate_axis as _replicate
 from . import tp as _tp
 from .comm import streams_for
 from .group import DedicatedParamGroup
 from .hooks import resolve_hook_modules
+from .options import MuonOptions
 from .param import DedicatedParam, local_of
 from .partition import PartitionItem, compute_balanced_assignment
 from .state import DMuonState, DPAxes, attach_state, find_state, state_of
@@ -500,3 +502,35 @@ def get_owned_params(model: nn.Module, rank: int | None = None) -> list[Dedicate
     state = state_of(model, "get_owned_params")
     rank = dist.get_rank() if rank is None else rank
     return [dp for dp in state.dparams if dp.axes.owner_global_rank(dp, dp.axes.coords[rank][2]) == rank]
+
+
+def dedicated_matrices(model: nn.Module, options: MuonOptions | None = None) -> list[costs.Matrix]:
+    """The model's dedicated matrices as the cost model's plain records (titan_dmuon/dmuon/costs.py), in group
+    (forward) order, [] before `dedicate_params`: what a planner sums the cost functions over. `options` (default:
+    MuonOptions()) decide the active head blocks (per_head, per_head_wo), as in dmuon.Muon."""
+    state = find_state(model)
+    if state is None:
+        return []
+    options = MuonOptions() if options is None else options
+    out = []
+    for group in state.groups:
+        for dp in group.params:
+            full = tuple(int(d) for d in dp.full_shape)
+            out.append(
+                costs.Matrix(
+                    fqn=dp.fqn,
+                    full_shape=full,
+                    local_shape=tuple(int(d) for d in dp._orig_size),
+                    owner_shard=dp.owner_shard,
+                    owner_replicate=dp.owner_replicate,
+                    shard_dim=dp.shard_dim if dp.tp_group is not None else None,
+                    tp_owner=dp.tp_owner,
+                    head_blocks=costs.update_blocks(full, options.active_blocks(state.head_blocks.get(dp.fqn))),
+                    expert=state.expert_axes is not None and dp.axes is state.expert_axes,
+                    group=group.index,
+                    hook=group.module_fqn,
+                    param_itemsize=group.dtype.itemsize,
+                    reduce_itemsize=group.reduce_dtype.itemsize,
+                )
+            )
+    return out

@@ -8,7 +8,8 @@ batch whose ops are sync returns no work, so the batch would serialize with comp
 broadcast/reduce, so each op is issued async and the batch is a list of work handles. On CUDA the ops are
 issued from DMuon's dedicated streams (`CudaStreams`; docs/dmuon.md, "CUDA streams"); on CPU `Streams`
 does nothing. Every op is recorded in a `CommLedger` (docs/dmuon.md, "Bytes per step"): a
-broadcast/reduce/gather/scatter of P elements over N ranks moves (N-1)/N·P elements per rank.
+broadcast/reduce/gather/scatter of P elements over N ranks moves (N-1)/N·P elements per rank
+(`costs.collective_elements`, the cost model's statement of it).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-# Ledger kinds, in reporting order.
-KINDS = ("broadcast", "reduce", "replicate_reduce", "replicate_broadcast", "tp_gather", "tp_scatter", "tp_gram")
+from .costs import KINDS, collective_elements
 
 
 @dataclass
@@ -40,10 +40,10 @@ class CommLedger:
     ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def record(self, kind: str, numel: int, group_size: int, element_size: int, factor: int = 1) -> None:
-        """`factor=2` for an all-reduce (a ring moves 2(N-1)/N·P per rank)."""
+        """`factor=2` (costs.ALL_REDUCE) for an all-reduce (a ring moves 2(N-1)/N·P per rank)."""
         if kind not in KINDS:
             raise ValueError(f"unknown ledger kind {kind!r}")
-        share = factor * (group_size - 1) / group_size * numel
+        share = collective_elements(numel, group_size, factor)
         self.current[kind] += share
         self.current_bytes[kind] += share * element_size
         self.ops[kind] += 1

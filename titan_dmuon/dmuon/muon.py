@@ -21,9 +21,9 @@ from torch.optim.adamw import adamw as _adamw_functional
 from . import replicate_axis as _replicate
 from . import tp as _tp
 from .comm import Work
+from .costs import block_shape, num_blocks, update_blocks
 from .newton_schulz import batch_plan, orthogonalize_stack, resolve_coefficients, zeropower_via_newtonschulz
 from .options import MuonOptions, OptionError
-from .partition import block_shape
 from .state import state_of, unwrap
 
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -107,9 +107,7 @@ class Muon(torch.optim.Optimizer):
         self._head_blocks = _active_head_blocks(state, self.options)
         # the matrices whose NS needs no TP communication: whole ones, and TP shards that hold whole head blocks
         self._local_ns = {
-            dp
-            for dp in state.dparams
-            if dp.tp_group is None or (dp in self._head_blocks and _tp.heads_are_local(dp, self._head_blocks[dp]))
+            dp for dp in state.dparams if _tp.update_path(dp, self._head_blocks.get(dp), False) == "local"
         }
         muon_defaults = self.options.group_defaults()
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
@@ -205,7 +203,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 update = self._momentum(dp, opts)
                 blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
-                if self.tp_distributed_gram and blocks is None and _tp.gram_is_beneficial(dp):
+                if _tp.update_path(dp, blocks, self.tp_distributed_gram) == "gram":
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
                     _apply_update(dp, self._orthogonalize([update], opts, dp)[0], opts)
                     ns_time += time.perf_counter() - t0
@@ -364,10 +362,6 @@ class Muon(torch.optim.Optimizer):
         adamw_step(group, self.state)
 
 
-EXPERT_BLOCKS = (0, 1)
-"""The blocks of an expert stack (experts x out x in): one per expert along dim 0, each an out x in matrix."""
-
-
 def _block(update: torch.Tensor, head_blocks: tuple[int, int] | None, b: int) -> torch.Tensor:
     """Block `b` of a matrix's update: the whole update, a head block (a narrowed view), or an expert's matrix."""
     if head_blocks is None:
@@ -386,7 +380,7 @@ def _assemble(parts: list[torch.Tensor], head_blocks: tuple[int, int] | None, nd
 
 def _blocks(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> range:
     """The indices of a matrix's head blocks (one block, the whole matrix, without head blocks)."""
-    return range(1 if head_blocks is None else int(shape[head_blocks[0]]) // head_blocks[1])
+    return range(num_blocks(shape, head_blocks))
 
 
 def _active_head_blocks(state, options: MuonOptions) -> dict:
@@ -399,11 +393,8 @@ def _active_head_blocks(state, options: MuonOptions) -> dict:
             '"Per-head Muon")',
         )
     out = {}
-    for dp in state.dparams:
-        if len(dp.full_shape) == 3:  # an expert stack: NS on each expert's matrix, always
-            out[dp] = EXPERT_BLOCKS
-            continue
-        blocks = options.active_blocks(state.head_blocks.get(dp.fqn))
+    for dp in state.dparams:  # an expert stack: NS on each expert's matrix (costs.EXPERT_BLOCKS), always
+        blocks = update_blocks(dp.full_shape, options.active_blocks(state.head_blocks.get(dp.fqn)))
         if blocks is not None:
             out[dp] = blocks
     return out

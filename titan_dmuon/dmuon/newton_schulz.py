@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .costs import ns_flops  # the cost model's, importable from here as before
 from .ns_ops import NSOps, resolve_kernel
 
 Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
@@ -279,12 +280,6 @@ def orthogonalize_stack(
         out.copy_(m.mT if t else m)
     ortho = zeropower_via_newtonschulz(stack, dtype=dtype, **ns_kwargs)
     return [o.mT if t else o for o, t in zip(ortho.unbind(0), tall, strict=True)]
-
-
-def ns_flops(shape: Sequence[int], ns_steps: int) -> float:
-    """Matmul FLOPs of the direct formulation on an (m, n) matrix (s = short side, long = long side)."""
-    s, long = sorted(shape[:2])
-    return 2.0 * ns_steps * (2 * s * s * long + s * s * s)
 
 
 def get_ns_backend(

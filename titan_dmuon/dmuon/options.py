@@ -19,28 +19,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from titan_dmuon.dtypes import DTYPES, to_dtype
+
 from .newton_schulz import FORMULATIONS, NS_MAX_BATCH_ELEMENTS, Coefficients, default_ns_dtype, resolve_coefficients
 from .ns_ops import KERNELS
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-"""The dtype names every option (and the framework's config) spells a dtype with -> the torch.dtype."""
-
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
-
-
-def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """`dtype` as a torch.dtype: a torch.dtype as it is, a name of DTYPES ("float32", "bfloat16", "float16",
-    "float64"; a "torch." prefix is allowed) looked up. ValueError for anything else."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"unknown dtype {dtype!r}: use a torch.dtype or one of {', '.join(map(repr, DTYPES))}")
 
 
 class OptionError(ValueError):

@@ -10,6 +10,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .costs import block_shape, matrix_ns_cost, ns_cost
+
 # Matrices below this many elements in one layer share one owner and one packed broadcast.
 SMALL_PARAM_THRESHOLD = 5_000_000
 
@@ -25,32 +27,10 @@ class PartitionItem:
     head_blocks: tuple[int, int] | None = None  # per-head Muon: (dim, size), NS on each block of `size` along `dim`
 
 
-def ns_cost(shape: Sequence[int], ns_steps: int = 5) -> float:
-    """NS work of an s×l matrix (s the short side): ns_steps·s²·(2l+s)."""
-    s, long = sorted(int(d) for d in shape[:2])
-    return float(ns_steps) * s * s * (2 * long + s)
-
-
-def block_shape(shape: Sequence[int], head_blocks: tuple[int, int] | None) -> tuple[int, int]:
-    """The shape of one head block of a matrix of `shape` split into blocks of `size` along `dim` (the matrix's own
-    shape without blocks); of an expert stack (3D: experts x out x in), one expert's matrix."""
-    if len(shape) == 3:
-        return int(shape[1]), int(shape[2])
-    out = [int(shape[0]), int(shape[1])]
-    if head_blocks is not None:
-        out[head_blocks[0]] = int(head_blocks[1])
-    return out[0], out[1]
-
-
 def item_cost(item: PartitionItem, ns_steps: int = 5) -> float:
-    """NS work of one item: `ns_cost` of its shape, or, with head blocks, blocks × `ns_cost` of a block; an expert
-    stack, experts × `ns_cost` of one expert's matrix."""
-    if len(item.shape) == 3:
-        return int(item.shape[0]) * ns_cost(item.shape[1:], ns_steps)
-    if item.head_blocks is None:
-        return ns_cost(item.shape, ns_steps)
-    dim, size = item.head_blocks
-    return int(item.shape[dim]) // int(size) * ns_cost(block_shape(item.shape, item.head_blocks), ns_steps)
+    """NS work of one item (costs.matrix_ns_cost, the cost model's): `ns_cost` of its shape, or, with head blocks,
+    blocks × `ns_cost` of a block; an expert stack, experts × `ns_cost` of one expert's matrix."""
+    return matrix_ns_cost(item.shape, item.head_blocks, ns_steps)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -136,3 +116,16 @@ def slot_loads(
     for it in items:
         loads[assignment[it.name]] += item_cost(it, ns_steps)
     return loads
+
+
+# ns_cost and block_shape are the cost model's (costs.py), importable from here as before.
+__all__ = [
+    "SMALL_PARAM_THRESHOLD",
+    "PartitionItem",
+    "block_shape",
+    "compute_balanced_assignment",
+    "item_cost",
+    "makespan_lower_bound",
+    "ns_cost",
+    "slot_loads",
+]

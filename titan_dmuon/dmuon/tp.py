@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from . import costs
 from .comm import STREAM_OF, CommLedger, Work
 
 
@@ -145,22 +146,20 @@ class TPUpdate:
         return self.out_local
 
 
-def gram_is_beneficial(dp) -> bool:
-    """Distributed Gram pays when the TP-sharded dim is the long side: the s×s Gram all-reduce is then
-    smaller than gathering and scattering the full m×n update (docs/dmuon.md, "Tensor parallelism")."""
-    m, n = dp.full_shape
-    long_dim = 0 if m > n else 1 if n > m else None
-    return long_dim is not None and dp.shard_dim == long_dim
+def _shard_dim(dp) -> int | None:
+    """The TP-sharded dim of a dedicated param, None when it is not TP-sharded."""
+    return dp.shard_dim if dp.tp_group is not None else None
 
 
 def heads_are_local(dp, head_blocks: tuple[int, int]) -> bool:
-    """Per-head Muon: whether every head block of a TP-sharded matrix lies whole in one TP shard, so each TP rank
-    can orthogonalize its own shard's blocks with no gather or scatter. True when the blocked dim is the TP shard
-    dim and the local (shard) size along it is a multiple of the block size (wq/wk/wv column-parallel by whole
-    heads on dim 0, wo row-parallel by whole heads on dim 1); otherwise a head straddles two TP ranks and the
-    matrix takes gather -> per-head NS on the full matrix -> scatter (docs/dmuon.md, "Per-head Muon")."""
-    dim, size = head_blocks
-    return dp.tp_group is not None and dim == dp.shard_dim and int(dp._orig_size[dim]) % size == 0
+    """`costs.heads_are_local` of a dedicated param: every head block lies whole in one TP shard (otherwise the
+    matrix takes gather -> per-head NS on the full matrix -> scatter)."""
+    return costs.heads_are_local(dp._orig_size, _shard_dim(dp), head_blocks)
+
+
+def update_path(dp, head_blocks: tuple[int, int] | None, distributed_gram: bool) -> costs.TPPath:
+    """`costs.tp_path` of a dedicated param: "local", "gram" or "gather"."""
+    return costs.tp_path(dp.full_shape, dp._orig_size, _shard_dim(dp), head_blocks, distributed_gram=distributed_gram)
 
 
 def all_reduce_gram(dp, ledger: CommLedger, gram: torch.Tensor) -> torch.Tensor:

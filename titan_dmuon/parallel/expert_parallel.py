@@ -1,8 +1,8 @@
 """Expert parallelism (EP): the experts of each MoE layer split over the ranks of a 1-D `ep_mesh`, the tokens
 travel to the rank that holds their expert and back.
 
-An MoE module (duck-typed: an attribute `dispatcher` and a child `experts` whose 3-D params are [E, ...]) sorts
-its (token, slot) rows by global expert id and calls
+An MoE layer (a `MoELayer`, titan_dmuon/components/moe.py: a `dispatcher` and `experts` whose 3-D params are
+[E, ...]) sorts its (token, slot) rows by global expert id and calls
 
     rows, local_counts = self.dispatcher.dispatch(rows, counts)   # counts: int64 [E]
     out = self.experts(rows, local_counts)                        # this rank's E/ep experts, local_counts [E/ep]
@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from titan_dmuon.components.moe import MoELayer
 
 __all__ = ["AllToAllDispatcher", "all_to_all_bytes", "apply_ep", "expert_modules"]
 
@@ -131,35 +133,21 @@ class AllToAllDispatcher(nn.Module):
         return _AllToAll.apply(out, route.input_splits, route.output_splits, self.group)
 
 
-def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Parameter]]]:
-    """(name, module, its experts' 3-D params) of every MoE-like module: an attribute `dispatcher` and a child
-    `experts` with 3-D params."""
-    found = []
-    for name, module in model.named_modules():
-        experts = module._modules.get("experts")
-        if experts is None or not hasattr(module, "dispatcher"):
-            continue
-        params = {n: p for n, p in experts.named_parameters(recurse=False) if p.dim() == 3}
-        if params:
-            found.append((name, module, params))
-    return found
-
-
-def moe_modules(model: nn.Module) -> list[nn.Module]:
-    """Every MoE-like module `apply_ep` would change (a `dispatcher` and an `experts` child with 3-D params), in
-    module order."""
-    return [module for _, module, _ in _moe_modules(model)]
+def _moe_modules(model: nn.Module) -> list[tuple[str, MoELayer, dict[str, nn.Parameter]]]:
+    """(name, layer, its expert stacks) of every MoE layer (titan_dmuon/components/moe.py), in module order."""
+    return [(name, m, m.expert_params()) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The `experts` child of every MoE-like module `apply_ep` would change (the same duck typing), in module
-    order: what parallelize.py makes FSDP2 units of its own."""
-    return [module._modules["experts"] for _, module, _ in _moe_modules(model)]
+    """The `experts` of every MoE layer, in module order: what parallelize.py makes FSDP2 units of their own."""
+    return [module.experts for _, module, _ in _moe_modules(model)]
 
 
 def _num_experts(name: str, params: dict[str, nn.Parameter], ep: int) -> int:
     """E, the common dim 0 of a module's expert params, checked against the EP degree."""
     where = name or "the model"
+    if not params:
+        raise ValueError(f"{where}: an MoE layer whose experts hold no 3-D expert stack")
     sizes = {n: p.shape[0] for n, p in params.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"{where}: the expert params disagree on the number of experts (dim 0): {sizes}")
@@ -184,7 +172,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     ep = ep_mesh.size()
     targets = [(name, module, params, _num_experts(name, params, ep)) for name, module, params in _moe_modules(model)]
     for _, module, params, num_experts in targets:
-        experts = module._modules["experts"]
+        experts = module.experts
         for pname, p in params.items():
             sharded = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))

@@ -1,40 +1,89 @@
-"""Parallel degrees of a run and the one DeviceMesh every parallelism slices.
+"""Parallel degrees of a run, where every rank sits, and the DeviceMeshes every parallelism uses.
 
-The mesh always has the three named dims ("replicate", "shard", "tp"), outermost first, even when a degree
-is 1: every consumer slices by name (DMuon needs exactly "shard" and "replicate"), so no code path depends on
-which degrees happen to be > 1, and a size-1 dim costs one trivial process group.
+The ranks are laid out row-major over ("replicate", "shard", "tp"), outermost first, even when a degree is 1:
+TP ranks are adjacent (one node), then shard ranks, then replicas. The world mesh always has exactly these three
+named dims, so no code path depends on which degrees happen to be > 1 (a size-1 dim costs one trivial process
+group). A pipeline axis would come outermost, ("pp", "replicate", "shard", "tp"), each stage one such mesh; there
+is none yet.
+
+Expert parallelism (ep > 1) splits the shard coordinate into efsdp (outer, the shard ranks that hold the same
+experts) x ep (inner, the ranks the experts are split over), so the dense params see the same shard axis as
+without EP, and the EP groups are ep consecutive shard ranks:
+
+    rank = ((replicate * efsdp + efsdp_index) * ep + ep_index) * tp + tp_index,    shard = efsdp_index * ep + ep_index
+
+The expert stacks use a second mesh over the same ranks, ("replicate", "expert_shard", "ep"), expert_shard =
+efsdp_index * tp + tp_index: the ranks that hold the same experts and route different tokens through them (under
+TP each rank routes its own sequence chunk). Its process groups are the world mesh's where the rank sets are the
+same (replicate always; ep = shard when efsdp = 1; expert_shard = tp when efsdp = 1); only the others are new.
 
     dims = ParallelDims.from_config(cfg, world_size)
-    mesh = dims.build_mesh("cpu")
-    mesh["tp"]                   -> apply_tp
-    dims.shard_mesh(mesh)        -> dmuon.dedicate_params(..., dims.shard_mesh(mesh), replicate_mesh=mesh["replicate"])
-    dims.fsdp_mesh(mesh)         -> fully_shard: mesh["replicate", "shard"] (HSDP) or mesh["shard"]
-    dims.dp_coordinates(mesh)    -> (dp_rank, dp_world_size) for the data loader (TP ranks share data)
+    mesh = dims.build_mesh("cpu")    -> the world mesh; dims.meshes keeps it and every other mesh of the run
+    dims.meshes.tp                   -> apply_tp
+    dims.meshes.shard, .replicate    -> dmuon.dedicate_params(..., shard, replicate_mesh=replicate) (HSDP)
+    dims.meshes.fsdp                 -> fully_shard: (replicate, shard) under HSDP, else shard
+    dims.meshes.ep                   -> apply_ep: the experts split over ep ranks, tokens by all-to-all
+    dims.meshes.expert_dp            -> DMuon's expert_mesh (1D expert_shard)
+    dims.meshes.expert_fsdp          -> fully_shard of the expert stacks: (replicate, expert_shard) or expert_shard
+    dims.dp_coordinates()            -> (dp_rank, dp_world_size) for the data loader (TP ranks share data)
 
-Expert parallelism (ep > 1) splits the shard axis: the mesh is then built as (replicate, efsdp, ep, tp) with
-"shard" the flattened (efsdp, ep), so the dense params see the same shard axis as without EP:
-
-    mesh["ep"]                   -> apply_ep: the experts split over ep ranks, tokens by all-to-all
-    dims.expert_dp_mesh(mesh)    -> the ranks that hold the same experts and see different tokens: efsdp (x tp,
-                                    flattened to "expert_shard"); DMuon's expert_mesh, FSDP2's for the experts
+Every mesh is built once, by build_mesh, with torch's public API (init_device_mesh, slicing root dims,
+new_subgroups_by_enumeration, DeviceMesh.from_group); consumers take them from the record by name. The coordinate
+methods (`coordinates`, `rank_of`, `expert_rank_of`, `groups`) say the same layout without any process group, so
+a planner places any world on one CPU.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_dmuon.config import JobConfig, validate_parallelism
+from titan_dmuon.config.manager import parallel_degrees_problem
 
 MESH_DIM_NAMES = ("replicate", "shard", "tp")
-EP_MESH_DIM_NAMES = ("replicate", "efsdp", "ep", "tp")
+EXPERT_MESH_DIM_NAMES = ("replicate", "expert_shard", "ep")
+# The axes `coordinates` and `groups` name, each with the axes of its mesh: a group varies one axis and fixes the
+# others of its mesh. "efsdp" and "ep" split "shard" (the same ranks as the world mesh, shard = efsdp x ep).
+_AXES_OF_MESH = (MESH_DIM_NAMES, EXPERT_MESH_DIM_NAMES, ("replicate", "efsdp", "ep", "tp"))
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Every DeviceMesh of a run, built once by `ParallelDims.build_mesh`. The dense ones are slices of `world`;
+    under expert parallelism the expert ones are slices of `experts` (None without EP)."""
+
+    world: DeviceMesh
+    """(replicate, shard, tp): the root of every dense slice (DMuon reads a rank's TP coordinate off it)."""
+    replicate: DeviceMesh
+    shard: DeviceMesh
+    tp: DeviceMesh
+    fsdp: DeviceMesh
+    """FSDP2's mesh: (replicate, shard) under HSDP, else `shard`."""
+    experts: DeviceMesh | None = None
+    """(replicate, expert_shard, ep) over the same ranks: the root of the expert slices, so FSDP2 can join the
+    expert stacks' EP placement with their expert-DP mesh (it requires one root)."""
+    ep: DeviceMesh | None = None
+    expert_dp: DeviceMesh | None = None
+    """The 1D expert_shard mesh: the ranks that hold the same experts (DMuon's `expert_mesh`)."""
+    expert_fsdp: DeviceMesh | None = None
+    """FSDP2's mesh for the expert stacks: (replicate, expert_shard) under HSDP, else `expert_dp`."""
+
+    @property
+    def device_type(self) -> str:
+        return self.world.device_type
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of the three mesh axes; their product is the world size."""
+    """Degrees of the mesh axes; replicate x shard x tp is the world size, ep divides shard. Its fields are the
+    degrees only (immutable, compared, printed); `build_mesh` adds the record of meshes as a plain attribute, so
+    `dataclasses.asdict` and `dataclasses.replace` never carry process groups."""
 
     dp_replicate: int
     dp_shard: int
@@ -43,16 +92,9 @@ class ParallelDims:
     ep: int = 1  # expert parallelism, borrowed from dp_shard
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "world_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp_replicate * self.dp_shard * self.tp != self.world_size:
-            raise ValueError(
-                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) "
-                f"!= world_size ({self.world_size})"
-            )
-        if self.ep < 1 or self.dp_shard % self.ep:
-            raise ValueError(f"ParallelDims.ep ({self.ep}) must be >= 1 and divide dp_shard ({self.dp_shard})")
+        problem = parallel_degrees_problem(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep)
+        if problem is not None:
+            raise ValueError(f"{self!r}: {problem}")
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, ranks_per_node: int | None = None) -> ParallelDims:
@@ -89,40 +131,155 @@ class ParallelDims:
         """Shard ranks that hold the same experts (dp_shard / ep)."""
         return self.dp_shard // self.ep
 
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks that hold the same experts and route different tokens through them: efsdp x tp (DMuon's
+        `expert_mesh`, FSDP2's shard group of the expert stacks)."""
+        return self.efsdp * self.tp
+
+    # ---------------------------------------------------------------------------------- coordinates (no process group)
+
+    def axis_sizes(self) -> dict[str, int]:
+        """The size of every named axis (those of `coordinates`)."""
+        return {
+            "replicate": self.dp_replicate,
+            "shard": self.dp_shard,
+            "tp": self.tp,
+            "efsdp": self.efsdp,
+            "ep": self.ep,
+            "expert_shard": self.expert_shard_size,
+        }
+
+    def coordinates(self) -> dict[str, np.ndarray]:
+        """Every global rank's coordinate on each named axis ("replicate", "shard", "tp", and the expert axes
+        "efsdp", "ep", "expert_shard", which exist at ep = 1 too, with ep = 0 everywhere): axis name -> int64 array
+        indexed by global rank, as the DeviceMeshes of `build_mesh` number them (the module docstring's formula)."""
+        g = np.arange(self.world_size, dtype=np.int64)
+        tp = g % self.tp
+        shard = (g // self.tp) % self.dp_shard
+        efsdp, ep = shard // self.ep, shard % self.ep
+        return {
+            "replicate": g // (self.tp * self.dp_shard),
+            "shard": shard,
+            "tp": tp,
+            "efsdp": efsdp,
+            "ep": ep,
+            "expert_shard": efsdp * self.tp + tp,
+        }
+
+    def rank_of(self, replicate: int, shard: int, tp: int) -> int:
+        """The global rank at a (replicate, shard, tp) coordinate."""
+        return (replicate * self.dp_shard + shard) * self.tp + tp
+
+    def expert_rank_of(self, replicate: int, expert_shard: int, ep: int) -> int:
+        """The global rank at a coordinate of the expert axes (replicate, expert_shard, ep)."""
+        efsdp, tp = divmod(expert_shard, self.tp)
+        return self.rank_of(replicate, efsdp * self.ep + ep, tp)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along `axis` (a name of `coordinates`): the ranks that share every other
+        coordinate of the axis's mesh, each group in the order of its coordinate on `axis` (= its group rank),
+        the groups in order of their first rank."""
+        axes = next((a for a in _AXES_OF_MESH if axis in a), None)
+        if axes is None:
+            raise ValueError(f"unknown mesh axis {axis!r}: one of {sorted(self.axis_sizes())}")
+        coords = self.coordinates()
+        members: dict[tuple[int, ...], list[int]] = {}
+        for g in range(self.world_size):
+            members.setdefault(tuple(int(coords[a][g]) for a in axes if a != axis), []).append(g)
+        return sorted(sorted(m, key=lambda g: int(coords[axis][g])) for m in members.values())
+
+    # ------------------------------------------------------------------------------------------------ the meshes
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The run's DeviceMesh (replicate, shard, tp) over the default process group; the only place a mesh is
-        built. Ranks are laid out row-major, so TP ranks are adjacent (same node), then EP ranks."""
-        if not self.ep_enabled:
-            shape = (self.dp_replicate, self.dp_shard, self.tp)
-            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        shape = (self.dp_replicate, self.efsdp, self.ep, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIM_NAMES)
-        mesh["efsdp", "ep"]._flatten("shard")
-        if self.tp > 1:
-            mesh["efsdp", "tp"]._flatten("expert_shard")
-        return mesh
+        """Build every mesh of the run over the default process group (a collective: every rank calls it), keep
+        them in `meshes`, and return the world mesh (replicate, shard, tp). The only place meshes are built."""
+        world = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
+        )
+        replicate, shard, tp = world["replicate"], world["shard"], world["tp"]
+        meshes = Meshes(
+            world=world,
+            replicate=replicate,
+            shard=shard,
+            tp=tp,
+            fsdp=world["replicate", "shard"] if self.hsdp else shard,
+        )
+        if self.ep_enabled:
+            experts = self._build_expert_mesh(world)
+            expert_dp = experts["expert_shard"]
+            meshes = dataclasses.replace(
+                meshes,
+                experts=experts,
+                ep=experts["ep"],
+                expert_dp=expert_dp,
+                expert_fsdp=experts["replicate", "expert_shard"] if self.hsdp else expert_dp,
+            )
+        object.__setattr__(self, "_meshes", meshes)  # the dataclass is frozen: the record is set here only
+        return world
 
-    def expert_dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The 1D mesh of the ranks that hold the same experts and route different tokens through them: efsdp,
-        with TP the flattened (efsdp, tp) (under TP each rank routes its own sequence chunk)."""
-        return _slice(mesh, "expert_shard" if self.tp > 1 else "efsdp")
+    def _build_expert_mesh(self, world: DeviceMesh) -> DeviceMesh:
+        """The (replicate, expert_shard, ep) mesh from one process group per dim: the world's where the rank sets
+        are the same, new ones (every rank takes part in creating each) otherwise."""
+        reuse = self.efsdp == 1  # the shard axis is all ep, and the ranks holding the same experts are a TP group
+        ep_group = world.get_group("shard") if reuse else self._new_group("ep")
+        expert_shard_group = world.get_group("tp") if reuse else self._new_group("expert_shard")
+        layout = torch.tensor(
+            [
+                [[self.expert_rank_of(r, s, e) for e in range(self.ep)] for s in range(self.expert_shard_size)]
+                for r in range(self.dp_replicate)
+            ]
+        )
+        return DeviceMesh.from_group(
+            [world.get_group("replicate"), expert_shard_group, ep_group],
+            world.device_type,
+            mesh=layout,
+            mesh_dim_names=EXPERT_MESH_DIM_NAMES,
+        )
 
-    def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """FSDP2's mesh for the experts: the expert-DP mesh, 2D with replicate under HSDP."""
-        name = "expert_shard" if self.tp > 1 else "efsdp"
-        return _slice(mesh, "replicate", name) if self.hsdp else _slice(mesh, name)
+    def _new_group(self, axis: str) -> dist.ProcessGroup:
+        """This rank's group along `axis`, creating every group of that axis (in one order on every rank)."""
+        group, _ = dist.new_subgroups_by_enumeration(self.groups(axis), group_desc=f"mesh_{axis}")
+        return group
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """FSDP2's mesh: 2D (replicate, shard) for HSDP, else the 1D shard slice."""
-        return _slice(mesh, "replicate", "shard") if self.hsdp else self.shard_mesh(mesh)
+    @property
+    def meshes(self) -> Meshes:
+        """Every mesh of the run (built by `build_mesh`)."""
+        meshes = getattr(self, "_meshes", None)
+        if meshes is None:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) builds the meshes: call it first (every rank)")
+        return meshes
 
-    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The 1D shard slice (DMuon's shard axis): a root dim, or under EP the flattened (efsdp, ep)."""
-        return _slice(mesh, "shard")
+    def _record(self, mesh: DeviceMesh | None) -> Meshes:
+        """The record, checking that a `mesh` a caller passes along is the world mesh it holds."""
+        meshes = self.meshes
+        if mesh is not None and mesh is not meshes.world:
+            raise ValueError("this mesh is not the one ParallelDims.build_mesh returned: pass that one, or none")
+        return meshes
 
-    def dp_coordinates(self, mesh: DeviceMesh) -> tuple[int, int]:
+    # The accessors below take the world mesh for callers that pass it along (optional, checked).
+
+    def shard_mesh(self, mesh: DeviceMesh | None = None) -> DeviceMesh:
+        """The 1D shard mesh (DMuon's shard axis; under EP efsdp x ep, the same ranks)."""
+        return self._record(mesh).shard
+
+    def fsdp_mesh(self, mesh: DeviceMesh | None = None) -> DeviceMesh:
+        """FSDP2's mesh: 2D (replicate, shard) for HSDP, else the 1D shard mesh."""
+        return self._record(mesh).fsdp
+
+    def expert_dp_mesh(self, mesh: DeviceMesh | None = None) -> DeviceMesh:
+        """The 1D mesh of the ranks that hold the same experts and route different tokens through them
+        (expert_shard: efsdp, x tp under TP). Expert parallelism only."""
+        return _expert(self._record(mesh).expert_dp)
+
+    def expert_fsdp_mesh(self, mesh: DeviceMesh | None = None) -> DeviceMesh:
+        """FSDP2's mesh for the experts: the expert-DP mesh, 2D with replicate under HSDP. Expert parallelism only."""
+        return _expert(self._record(mesh).expert_fsdp)
+
+    def dp_coordinates(self, mesh: DeviceMesh | None = None) -> tuple[int, int]:
         """(dp_rank, dp_world_size) of this process: the TP ranks of one DP group get the same data."""
-        dp_rank = mesh.get_local_rank("replicate") * self.dp_shard + self.shard_mesh(mesh).get_local_rank()
+        meshes = self._record(mesh)
+        dp_rank = meshes.replicate.get_local_rank() * self.dp_shard + meshes.shard.get_local_rank()
         return dp_rank, self.dp_world_size
 
     def describe(self) -> str:
@@ -130,10 +287,7 @@ class ParallelDims:
         return f"world {self.world_size} = replicate {self.dp_replicate} x shard {self.dp_shard}{ep} x tp {self.tp}"
 
 
-def _slice(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """`mesh[names]`. Under EP some names are dims this module flattened from the root ("shard", "expert_shard"),
-    which torch 2.13 slices from the root mesh with a deprecation warning asking callers to keep the flattened
-    mesh themselves: these are the only slices of them, built here, so the warning is silenced here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-        return mesh[names[0]] if len(names) == 1 else mesh[names]
+def _expert(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        raise RuntimeError("no expert meshes: they exist under expert parallelism only (expert_parallel_degree > 1)")
+    return mesh

@@ -5,7 +5,7 @@ The model family's ModelSpec says where the blocks are and what the TP plan is; 
 says which params FSDP2 must leave alone. The order matters:
   * TP first: it turns the block matrices into TP DTensors, and the optimizer/FSDP2 then shard those.
   * EP next (parallelism.expert_parallel_degree, expert_parallel.py): the expert stacks become DTensors sharded on
-    the expert dim over mesh["ep"] and the MoE layers route tokens by all-to-all; the optimizer (DMuon's
+    the expert dim over dims.meshes.ep and the MoE layers route tokens by all-to-all; the optimizer (DMuon's
     expert_mesh) or FSDP2 (a unit per expert stack, over the expert-DP mesh) then shards them again.
   * AC and compile only change *how a block's forward body runs*, never the module tree: they replace the
     block's `forward` (an instance attribute) and keep the block module where it is. So every parameter
@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from titan_dmuon import dmuon
 from titan_dmuon.config import ActivationCheckpoint, ConfigError, JobConfig
+from titan_dmuon.dtypes import to_dtype
 
 from .expert_parallel import apply_ep, expert_modules
 from .parallel_dims import ParallelDims
@@ -212,7 +213,7 @@ def apply_fsdp(
             # expert-DP ranks FSDP2 reduces over
             experts.set_gradient_divide_factor(float(dims.dp_world_size))
             # gloo has no PREMUL_SUM: sum, then divide (FSDP2 would divide twice on a 1-rank reduce-scatter group)
-            if mesh.device_type != "cuda" and dims.efsdp * dims.tp > 1:
+            if mesh.device_type != "cuda" and dims.expert_shard_size > 1:
                 experts.set_force_sum_reduction_for_comms(True)
     for block in units:
         fully_shard(
@@ -235,10 +236,10 @@ def parallelize(
     share; the dry-run planner stops here). It also works on a materialized model: DMuon then copies each
     owner's fp32 master out of the live values.
     """
-    param_dtype = dmuon.to_dtype(cfg.training.mixed_precision_param)
-    reduce_dtype = dmuon.to_dtype(cfg.training.mixed_precision_reduce)
+    param_dtype = to_dtype(cfg.training.mixed_precision_param)
+    reduce_dtype = to_dtype(cfg.training.mixed_precision_reduce)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, mesh["tp"], cfg, spec)
+        apply_tensor_parallel(model, dims.meshes.tp, cfg, spec)
     if dims.tp_enabled and not dims.ep_enabled and expert_modules(model):
         # under sequence parallelism each TP rank routes its own tokens through whole experts: their grads must be
         # summed over TP, which the expert-data-parallel mesh (efsdp x tp) does and only EP builds
@@ -246,7 +247,7 @@ def parallelize(
             f"{cfg.model.name}/{cfg.model.flavor} has Mixture-of-Experts layers: under tensor parallelism they need "
             "expert parallelism too: set parallelism.expert_parallel_degree >= 2 (it divides the shard degree)"
         )
-    if dims.ep_enabled and apply_ep(model, mesh["ep"]) == 0:
+    if dims.ep_enabled and apply_ep(model, dims.meshes.ep) == 0:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {dims.ep}, but {cfg.model.name}/{cfg.model.flavor} has no "
             "Mixture-of-Experts layer: use an MoE flavor (e.g. qwen3 debugmodel_moe) or expert_parallel_degree = 1"

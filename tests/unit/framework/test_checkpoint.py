@@ -1,4 +1,4 @@
-"""titan_dmuon/components/checkpoint.py and the data loader's global position, in one process (the train.py runs are in
+"""titan_dmuon/components/checkpoint/ and the data loader's global position, in one process (the train.py runs are in
 tests/integration/test_checkpoint.py)."""
 
 from __future__ import annotations
@@ -418,7 +418,7 @@ def test_pinned_memory_stager_is_made_once_and_closed(tmp_path):
 def test_memory_rows_of_a_save_are_one_summary_line() -> None:
     """1,024 ranks' rows are one log line: [min, median, max] of each figure and the worst growth beyond the rank's
     own state share, naming the rank."""
-    from titan_dmuon.components.checkpoint import _memory_summary
+    from titan_dmuon.components.checkpoint.memory import memory_summary
 
     rows = [
         {
@@ -433,7 +433,7 @@ def test_memory_rows_of_a_save_are_one_summary_line() -> None:
         }
         for r in range(1024)
     ]
-    out = _memory_summary(rows)
+    out = memory_summary(rows)
     assert out["ranks"] == 1024 and (out["what"], out["step"]) == ("save", 7)
     assert out["rss_before_mib"] == [100.0, 612.0, 1123.0]
     assert out["peak_growth_mib"] == [10.0, 10.0, 50.0]
@@ -443,7 +443,7 @@ def test_memory_rows_of_a_save_are_one_summary_line() -> None:
 def test_memory_summary_reads_as_one_sentence() -> None:
     """The INFO line says the worst growth, the rank that grew past its state share and by how much, and the RSS
     span (the JSON record goes to DEBUG)."""
-    from titan_dmuon.components.checkpoint import _memory_line
+    from titan_dmuon.components.checkpoint.memory import memory_line
 
     summary = {
         "what": "save",
@@ -455,17 +455,17 @@ def test_memory_summary_reads_as_one_sentence() -> None:
         "state_share_mib": [10.0, 10.0, 12.5],
         "growth_beyond_share_mib": {"max": 17.5, "rank": 3},
     }
-    assert _memory_line(summary, gathered=True) == (
+    assert memory_line(summary, gathered=True) == (
         "checkpoint save of step 10 (4 ranks): peak memory +30.0 MiB at most, rank 3 grew 17.5 MiB beyond its state "
         "share (10.0-12.5 MiB); RSS 600.0-640.2 MiB before"
     )
     one = {**summary, "what": "load", "ranks": 1, "rss_before_mib": [675.6] * 3, "peak_growth_mib": [0.0] * 3}
     one |= {"state_share_mib": [40.6] * 3, "growth_beyond_share_mib": {"max": -40.6, "rank": 0}}
-    assert _memory_line(one, gathered=True) == (
+    assert memory_line(one, gathered=True) == (
         "checkpoint load of step 10 (1 rank): peak memory +0.0 MiB at most, within each rank's state share "
         "(40.6 MiB); RSS 675.6 MiB before"
     )
-    assert "(rank 0's figures)" in _memory_line({**one, "what": "save (staged)"}, gathered=False)
+    assert "(rank 0's figures)" in memory_line({**one, "what": "save (staged)"}, gathered=False)
 
 
 def _resumed(rank: int, world: int, dump):
@@ -503,11 +503,11 @@ def test_elapsed_time_is_kept_and_an_older_checkpoint_without_it_still_loads(tmp
     assert "train_state.elapsed_s" not in read_metadata(tmp_path / "checkpoint" / "step-5").state_dict_metadata
 
 
-# ------------------------------------------------ checksums.json (titan_dmuon/components/checkpoint_integrity.py)
+# ------------------------------------------------ checksums.json (titan_dmuon/components/checkpoint/integrity.py)
 def _checksummed_step(folder, block_bytes: int = 2000):
     """A DCP save of a few tensors and a non-tensor item through ChecksummingWriter (blocks of at most `block_bytes`,
     so that the larger items span several) and its manifest: what a commit leaves in a step folder."""
-    from titan_dmuon.components.checkpoint_integrity import ChecksummingWriter, write_manifest
+    from titan_dmuon.components.checkpoint.integrity import ChecksummingWriter, write_manifest
 
     gen = torch.Generator().manual_seed(0)
     sd = {"a": torch.randn(64, 32, generator=gen), "b": torch.randn(300, generator=gen), "group": [{"lr": 0.1}]}
@@ -529,7 +529,7 @@ def test_writer_records_each_item_as_written(tmp_path):
     so a rank that loads an item checks its bytes and no others."""
     import zlib
 
-    from titan_dmuon.components.checkpoint_integrity import blocks_of, read_manifest
+    from titan_dmuon.components.checkpoint.integrity import blocks_of, read_manifest
 
     digests = _checksummed_step(tmp_path)
     written = {p.name for p in tmp_path.iterdir()} - {"checksums.json", "config.toml"}
@@ -569,7 +569,7 @@ def test_verify_names_the_damage(tmp_path, damage, match):
     """A truncated, deleted or changed file (one flipped bit) is named with what is wrong; a file the manifest does
     not list is ignored (nothing loaded changes); a folder without checksums.json (saved before it was kept) has
     nothing to be checked against."""
-    from titan_dmuon.components.checkpoint_integrity import read_manifest, verify
+    from titan_dmuon.components.checkpoint.integrity import read_manifest, verify
 
     _checksummed_step(tmp_path)
     assert verify(tmp_path) is None
@@ -610,7 +610,7 @@ def test_only_the_blocks_a_rank_reads_are_checked():
     import tempfile
     from pathlib import Path
 
-    from titan_dmuon.components.checkpoint_integrity import FileDigest, blocks_of, check_blocks, read_manifest
+    from titan_dmuon.components.checkpoint.integrity import FileDigest, blocks_of, check_blocks, read_manifest
 
     digest = FileDigest(35, [(10, 1), (20, 2), (5, 3)])
     assert blocks_of(digest, [(0, 10)]) == [(0, 10, 1)] and blocks_of(digest, [(12, 0)]) == []
@@ -634,7 +634,7 @@ def _saves_with_checksums(rank: int, world: int, dump, async_mode: str):
     every file of the folder, and verifies."""
     import torch.distributed as dist
 
-    from titan_dmuon.components.checkpoint_integrity import read_manifest, verify
+    from titan_dmuon.components.checkpoint.integrity import read_manifest, verify
 
     manager = _manager(rank, world, dump, "--checkpoint.async_mode", async_mode)
     manager.save(1, 10)

@@ -1,6 +1,6 @@
-"""The llama3 Hugging Face adapter and titan_dmuon/components/hf.py on one process: names, the RoPE q/k permutation
-against an index-by-index reference, config.json against the published Llama 3 sizes, export/load round trips, sharded
-files, tied embeddings and the errors."""
+"""The llama3 Hugging Face adapter and titan_dmuon/components/checkpoint/hf_io.py in one process: names, the RoPE
+q/k permutation against an index-by-index reference, config.json against the published Llama 3 sizes, export/load
+round trips, sharded files, tied embeddings and the errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from titan_dmuon.components.hf import export_hf, hf_tensor_shapes, load_hf_weights
+from titan_dmuon.components.checkpoint.hf_io import export_hf, hf_tensor_shapes, load_hf_weights
 from titan_dmuon.models.llama3 import SPEC, Llama3StateDictAdapter, build_model
 from titan_dmuon.models.llama3.state_dict_adapter import permute_from_hf, permute_to_hf
 
@@ -92,7 +92,7 @@ def test_row_ranges_of_q_k_read_only_their_hf_rows(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from titan_dmuon.components.hf import _hf_rows, _read_rows
+    from titan_dmuon.components.checkpoint.hf_io import _hf_rows, _read_rows
 
     model = _tiny()
     adapter = SPEC.state_dict_adapter(model)

@@ -15,7 +15,7 @@ import stat
 
 import pytest
 
-from titan_dmuon.components.hf import export_hf
+from titan_dmuon.components.checkpoint.hf_io import export_hf
 from titan_dmuon.config import ConfigError
 from titan_dmuon.config.job_config import Checkpoint
 from titan_dmuon.data.tokenizer import ByteTokenizer, build_tokenizer

@@ -153,3 +153,25 @@ def test_naive_muon_param_groups_follow_the_scheduler() -> None:
     assert {g["kind"]: g["lr"] for g in opt.param_groups} == {"muon": 0.01, "adamw": 5e-4}
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         NaiveMuon([a], [b], adjust_lr_fn="rms")
+
+
+@pytest.mark.parametrize("name", ["dmuon", "muon_naive"])
+def test_muon_takes_3d_params_only_as_moe_expert_stacks(name) -> None:
+    """A 3-D param Muon would orthogonalize slice by slice: right for an MoE layer's expert stacks (found through
+    the MoE protocol), a ConfigError naming the param for any other (a regex that matches too much)."""
+    from titan_dmuon.components.moe import moe_layers
+
+    moe_cfg = tiny_cfg(name)
+    moe_cfg.model.name, moe_cfg.model.flavor = "qwen3", "tinymodel_moe"
+    spec = get_model_spec("qwen3")
+    model = spec.build("tinymodel_moe", vocab_size=64, max_seq_len=16)  # meta
+    component = build_optimizer_component(moe_cfg, spec)
+    stacks = {id(p) for layer in moe_layers(model) for p in layer.expert_params().values()}
+    selected = component.select_muon_params(model)
+    assert {id(p) for _, p in selected if p.ndim == 3} == stacks and stacks
+    model.layers["0"].attention.register_parameter("stray", torch.nn.Parameter(torch.empty(2, 3, 4, device="meta")))
+    moe_cfg.optimizer.muon_params = r"^layers\.\d+\.(attention\.stray|feed_forward\.experts\.w\d)$"
+    with pytest.raises(
+        ConfigError, match=r"3-D parameters that are no MoE layer's expert stack: layers\.0\.attention\.stray;"
+    ):
+        build_optimizer_component(moe_cfg, spec).select_muon_params(model)

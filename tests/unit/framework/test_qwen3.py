@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests._scripts import load_script
+from titan_dmuon.components.checkpoint.hf_io import export_hf, load_hf_weights
 from titan_dmuon.components.generation import Sampling, generate
-from titan_dmuon.components.hf import export_hf, load_hf_weights
 from titan_dmuon.components.model import check_flavor, cross_entropy_loss, get_model_spec
 from titan_dmuon.models import qwen3
 from titan_dmuon.models.qwen3 import SPEC, build_model

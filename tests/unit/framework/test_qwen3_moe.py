@@ -22,17 +22,11 @@ import torch.nn.functional as F
 
 from tests._dist import run_distributed
 from tests._scripts import load_script
-from titan_dmuon.components.hf import export_hf, load_hf_weights
+from titan_dmuon.components.checkpoint.hf_io import export_hf, load_hf_weights
 from titan_dmuon.components.initialization import fill_, full_index, trunc_normal
 from titan_dmuon.components.model import get_model_spec
-from titan_dmuon.models.common.moe import (
-    MoE,
-    experts_grouped_mm,
-    experts_loop,
-    moe_layers,
-    moe_stats,
-    update_moe_bias,
-)
+from titan_dmuon.components.moe import MoELayer, moe_layers, moe_stats, update_moe_bias
+from titan_dmuon.models.common.moe import MoE, experts_grouped_mm, experts_loop
 from titan_dmuon.models.qwen3 import SPEC, build_model, head_blocks
 
 transformers = pytest.importorskip("transformers")
@@ -68,10 +62,13 @@ def _hf(folder) -> torch.nn.Module:
 
 # --------------------------------------------------------------------------------------- flavors and counts
 def test_flavors_blocks_and_muon_params() -> None:
-    assert get_model_spec("qwen3") is SPEC and SPEC.moe_stats is moe_stats and SPEC.update_moe_bias is update_moe_bias
+    assert get_model_spec("qwen3") is SPEC
     assert {"debugmodel_moe", "tinymodel_moe", "30B-A3B", "235B-A22B"} <= set(SPEC.flavors)
     model = SPEC.build("tinymodel_moe", vocab_size=64, max_seq_len=16, mlp_only_layers=(1,))  # meta
     assert [type(b.feed_forward) for b in model.layers.values()] == [MoE, type(model.layers["1"].feed_forward)]
+    # the MoE protocol finds exactly the sparse layer, and its expert stacks are the 3-D params Muon takes
+    assert moe_layers(model) == [model.layers["0"].feed_forward] and isinstance(moe_layers(model)[0], MoELayer)
+    assert list(moe_layers(model)[0].expert_params()) == ["w1", "w2", "w3"]
     assert [fqn for fqn, _ in SPEC.blocks(model)] == ["layers.0", "layers.1"]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.0.feed_forward")}
     assert shapes == {
@@ -138,9 +135,9 @@ def test_tinymodel_moe_trains_4_steps_quickly() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        counts = SPEC.moe_stats(model)["tokens_per_expert"]
+        counts = moe_stats(model)["tokens_per_expert"]
         assert counts.sum(1).tolist() == [4 * (SEQ - 1) * 2] * 2
-        SPEC.update_moe_bias(model, counts)
+        update_moe_bias(model, counts)
         moved += 1e-3 * torch.sign(counts.float().mean(1, keepdim=True) - counts)
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
@@ -396,8 +393,8 @@ def test_moe_stats_count_and_reset() -> None:
     update_moe_bias(model, stats["tokens_per_expert"])  # rate 0: no-op
     assert not any(m.router.expert_bias.any() for m in moe_layers(model))
     dense = build_model("tinymodel", vocab_size=VOCAB)
-    assert SPEC.moe_stats(dense)["tokens_per_expert"].shape == (0, 0)
-    SPEC.update_moe_bias(dense, torch.zeros(0, 0))
+    assert moe_stats(dense)["tokens_per_expert"].shape == (0, 0)
+    update_moe_bias(dense, torch.zeros(0, 0))
 
 
 # --------------------------------------------------------------------------------------------------- init
@@ -520,7 +517,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
         worst[name] = float((g - refs[name].grad).abs().max() / refs[name].grad.abs().max())
     out["grads"] = worst
     out["router_placements"] = str(model.layers["0"].feed_forward.router.gate.weight.placements)
-    stats, want_stats = SPEC.moe_stats(model), SPEC.moe_stats(ref)
+    stats, want_stats = moe_stats(model), moe_stats(ref)
     out["aux"] = (stats["aux_loss"].item(), want_stats["aux_loss"].item())
     counts = stats["tokens_per_expert"].clone()
     torch.distributed.all_reduce(counts, group=mesh.get_group())

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_dmuon.components.moe import moe_layers
 from titan_dmuon.config import ConfigError, JobConfig
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class OptimizerComponent:
     name: ClassVar[str]
     """The `optimizer.name` that selects this component."""
     planned: ClassVar[bool] = False
-    """Whether the dry-run planner (titan_dmuon/planner.py) models this optimizer's layout: a real run on CUDA then
+    """Whether the dry-run planner (titan_dmuon/planner/) models this optimizer's layout: a real run on CUDA then
     checks its memory plan against the device before allocating (`job.check_device_memory`)."""
 
     def __init__(self, cfg: JobConfig, spec: ModelSpec):
@@ -109,15 +110,27 @@ class OptimizerComponent:
         raise NotImplementedError
 
     def select_muon_params(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """The (FQN, param) pairs Muon takes; a ConfigError when there is none."""
+        """The (FQN, param) pairs Muon takes; a ConfigError when there is none, or when a 3-D one is not an MoE
+        layer's expert stack (titan_dmuon/components/moe.py): Muon would orthogonalize its slices one by one,
+        which is right only for a stack of experts."""
         selected = [(n, p) for n, p in model.named_parameters() if self.muon_predicate(n, p)]
-        if not selected:
-            source = (
-                f"optimizer.muon_params = {self.muon_params!r}"
-                if self.cfg.optimizer.muon_params
-                else f"the {self.spec.name} family's default Muon params {self.muon_params!r}"
+        source = (
+            f"optimizer.muon_params = {self.muon_params!r}"
+            if self.cfg.optimizer.muon_params
+            else f"the {self.spec.name} family's default Muon params {self.muon_params!r}"
+        )
+        stacks = {id(p) for layer in moe_layers(model) for p in layer.expert_params().values()}
+        strays = [n for n, p in selected if p.ndim == 3 and id(p) not in stacks]
+        if strays:
+            raise ConfigError(
+                f"{source} selects 3-D parameters that are no MoE layer's expert stack: {', '.join(strays[:3])}; "
+                "Muon takes 2-D matrices and expert stacks only: narrow the regex"
             )
-            raise ConfigError(f"{source} selects no 2D parameter of {self.spec.name}/{self.cfg.model.flavor}")
+        if not selected:
+            raise ConfigError(
+                f"{source} selects no matrix parameter (2-D, or a 3-D expert stack) of "
+                f"{self.spec.name}/{self.cfg.model.flavor}"
+            )
         return selected
 
     def head_blocks(self, model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -19,8 +19,8 @@ from torch import nn
 
 from titan_dmuon.components.initialization import ParamInit, constant, init_params, normal, trunc_normal
 from titan_dmuon.components.kv_cache import KVCache, run_blocks
+from titan_dmuon.components.moe import moe_layers
 
-from .moe import moe_layers
 from .norms import RMSNorm
 from .rope import precompute_rope
 
@@ -135,10 +135,7 @@ class Decoder(nn.Module):
         with torch.device(device):
             self.rope_cache = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
             for moe in moe_layers(self):
-                moe.router.expert_bias = torch.zeros(moe.num_experts, dtype=torch.float32)
-                moe.tokens_per_expert = torch.zeros(moe.num_experts, dtype=torch.int64)
-                moe.aux_loss_sum = torch.zeros((), dtype=torch.float32)
-                moe.aux_loss_count = 0
+                moe.init_buffers()
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

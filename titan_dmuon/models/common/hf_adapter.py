@@ -1,5 +1,6 @@
-"""The Hugging Face state-dict adapter both families share (titan_dmuon/components/hf.py's `StateDictAdapter`):
-our FQNs <-> HF names, tied embeddings, MoE expert stacks, config.json checks. It works on whole tensors.
+"""The Hugging Face state-dict adapter both families share (titan_dmuon/components/checkpoint/hf_io.py's
+`StateDictAdapter`): our FQNs <-> HF names, tied embeddings, MoE expert stacks, config.json checks. It works on
+whole tensors.
 
 A family subclasses `DecoderStateDictAdapter` with its names (`layer_names`, `expert_names`), its args type and
 `hf_config`; it overrides `to_hf` / `from_hf` / `needs_full_tensor` only where a tensor's layout differs from HF's

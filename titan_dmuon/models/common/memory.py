@@ -44,9 +44,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from titan_dmuon.components.moe import moe_layers
 from titan_dmuon.parallel.parallelize import ac_plan
 
-from .moe import MoE, moe_layers
+from .moe import MoE
 
 
 @dataclass(frozen=True)

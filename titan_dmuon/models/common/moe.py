@@ -26,7 +26,8 @@ Load balancing, two ways (both per MoE layer):
     selection only (never to the weights), moved after each optimizer step by `rate * sign(mean load - load)`
     (`MoE.update_bias`, `update_moe_bias`).
 
-`moe_stats` and `update_moe_bias` are the ModelSpec hooks the trainer calls (titan_dmuon/components/model.py).
+`MoE` is a `MoELayer` (titan_dmuon/components/moe.py): the protocol through which the trainer, expert parallelism,
+the optimizer components, the planner and the metrics find and drive it.
 
 A family keeps the rule for which of its layers are sparse (Qwen3-MoE: `decoder_sparse_step`, `mlp_only_layers`).
 Another routing rule (DeepSeek-V3's sigmoid, group-limited top-k) is a router with `Router`'s contract (forward ->
@@ -42,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_dmuon.components.initialization import ParamInit, trunc_normal
+from titan_dmuon.components.moe import MoELayer
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +183,7 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad_out, grad_aux, None
 
 
-class MoE(nn.Module):
+class MoE(MoELayer):
     """The sparse feed-forward: `router`, `experts`, and `dispatcher` (a plain attribute, `LocalDispatcher` by
     default).
 
@@ -194,7 +196,7 @@ class MoE(nn.Module):
     Each forward in training mode (not an activation-checkpoint recompute) adds, detached and on the device, to
     running sums that `read_stats` reads and resets: `tokens_per_expert` (non-persistent buffer, int64 [E], from
     this rank's global expert ids, before dispatch), `aux_loss_sum` (non-persistent buffer, fp32 scalar: the aux
-    loss of the TP group's sequence) and `aux_loss_count` (the forwards, a plain int).
+    losses of the TP group's sequence) and `aux_loss_count` (the forwards, a plain int).
     """
 
     def __init__(
@@ -278,13 +280,20 @@ class MoE(nn.Module):
         self.aux_loss_count += 1
 
     @torch.no_grad()
-    def read_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens per expert int64 [E], the mean aux loss fp32 scalar) since the last call (zeros when no training
-        forward ran), and reset the running sums."""
-        tokens = self.tokens_per_expert.clone()
-        aux = self.aux_loss_sum.float() / max(self.aux_loss_count, 1)
+    def read_stats(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tokens per expert int64 [E], the sum of the aux losses fp32 scalar, the training forwards) since the
+        last call (zeros when no training forward ran), and reset the running sums."""
+        stats = self.tokens_per_expert.clone(), self.aux_loss_sum.float().clone(), self.aux_loss_count
         self.reset_stats()
-        return tokens, aux
+        return stats
+
+    def init_buffers(self) -> None:
+        """The buffers, on the default device: the aux-free bias (zero) and the metric sums (see the class
+        docstring); the model's `init_buffers` calls it after materialization."""
+        self.router.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32)
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.aux_loss_sum = torch.zeros((), dtype=torch.float32)
+        self.aux_loss_count = 0
 
     @torch.no_grad()
     def reset_stats(self) -> None:
@@ -315,35 +324,6 @@ class MoE(nn.Module):
         }
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """The model's MoE modules, in registration (forward) order."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def moe_stats(model: nn.Module) -> dict[str, torch.Tensor]:
-    """ModelSpec.moe_stats: {"tokens_per_expert": int64 [n_moe_layers, E] counted on this rank since the last call,
-    "aux_loss": fp32 scalar, the mean over layers and micro-batches since the last call}, resetting the counters.
-    A model without MoE layers gives an empty [0, 0] count and a zero aux loss."""
-    layers = moe_layers(model)
-    if not layers:
-        return {"tokens_per_expert": torch.zeros(0, 0, dtype=torch.int64), "aux_loss": torch.zeros(())}
-    forwards = [layer.aux_loss_count for layer in layers]
-    stats = [layer.read_stats() for layer in layers]
-    tokens = torch.stack([t for t, _ in stats])
-    aux = torch.stack([a * n for (_, a), n in zip(stats, forwards, strict=True)]).sum() / max(sum(forwards), 1)
-    return {"tokens_per_expert": tokens, "aux_loss": aux.float()}
-
-
-def update_moe_bias(model: nn.Module, tokens_per_expert: torch.Tensor) -> None:
-    """ModelSpec.update_moe_bias: each MoE layer's aux-free bias step from the global (all-reduced over every
-    rank that routes tokens) ``tokens_per_expert`` [n_moe_layers, E]; a no-op when bias_update_rate is 0."""
-    layers = moe_layers(model)
-    if len(layers) != tokens_per_expert.shape[0]:
-        raise ValueError(f"{tokens_per_expert.shape[0]} rows of counts for {len(layers)} MoE layers")
-    for layer, counts in zip(layers, tokens_per_expert, strict=True):
-        layer.update_bias(counts)
-
-
 __all__ = [
     "GroupedExperts",
     "LocalDispatcher",
@@ -353,7 +333,4 @@ __all__ = [
     "experts_loop",
     "grouped_mm_supported",
     "local_tensor",
-    "moe_layers",
-    "moe_stats",
-    "update_moe_bias",
 ]

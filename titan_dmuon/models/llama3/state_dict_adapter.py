@@ -7,9 +7,10 @@ c * head_dim/2 + i, the permutation `transformers`' convert_llama_weights_to_hf 
 wo and the rest are the same matrices under other names.
 
 The names and the rest of the machinery are the shared adapter's (titan_dmuon/models/common/hf_adapter.py).
-`titan_dmuon/components/hf.py` drives the adapter (export_hf, load_hf_weights); `scripts/convert_checkpoint.py` converts
-DCP checkpoints with it. It works on whole tensors: a caller that holds a shard reads plain slices where
-`needs_full_tensor` is false, and where it is true the HF rows its rows come from (`from_hf` permutes rows only).
+`titan_dmuon/components/checkpoint/hf_io.py` drives the adapter (export_hf, load_hf_weights);
+`scripts/convert_checkpoint.py` converts DCP checkpoints with it. It works on whole tensors: a caller that holds a
+shard reads plain slices where `needs_full_tensor` is false, and where it is true the HF rows its rows come from
+(`from_hf` permutes rows only).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import dataclasses
 
 from titan_dmuon.components.model import register_model_spec
 from titan_dmuon.models.common.memory import activation_estimate
-from titan_dmuon.models.common.moe import MoE, moe_stats, update_moe_bias
+from titan_dmuon.models.common.moe import MoE
 from titan_dmuon.models.common.spec import DecoderFamily, blocks, head_blocks
 from titan_dmuon.models.common.tensor_parallel import apply_tp
 
@@ -90,8 +90,6 @@ SPEC = register_model_spec(
     FAMILY.spec(
         muon_params=MUON_PARAMS,
         state_dict_adapter=Qwen3StateDictAdapter.from_model,
-        moe_stats=moe_stats,
-        update_moe_bias=update_moe_bias,
     )
 )
 
@@ -114,6 +112,4 @@ __all__ = [
     "blocks",
     "head_blocks",
     "MoE",
-    "moe_stats",
-    "update_moe_bias",
 ]

@@ -14,8 +14,8 @@ routing) it is left out of an export and read as zeros from a folder without it 
 moved by training it is written as `mlp.gate.e_score_correction_bias` (DeepSeek-V3's name for such a bias), which
 transformers' Qwen3-MoE does not read: it then routes without the bias, so its outputs differ from ours.
 
-`titan_dmuon/components/hf.py` drives the adapter (export_hf, load_hf_weights); `scripts/convert_checkpoint.py`
-converts DCP checkpoints with it.
+`titan_dmuon/components/checkpoint/hf_io.py` drives the adapter (export_hf, load_hf_weights);
+`scripts/convert_checkpoint.py` converts DCP checkpoints with it.
 """
 
 from __future__ import annotations

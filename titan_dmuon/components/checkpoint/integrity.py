@@ -1,5 +1,5 @@
 """Checkpoint integrity: every step folder's `checksums.json`, written when the step is committed and checked before a
-run resumes from it (titan_dmuon/components/checkpoint.py, which uses this module).
+run resumes from it (manager.py, which uses this module; the names in a step folder: folder.py).
 
 The manifest holds each file's size and its blocks, one after the other: each block's length and CRC32.
 

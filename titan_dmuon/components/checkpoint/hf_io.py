@@ -13,8 +13,7 @@ A tensor the adapter marks `zero_when_absent` (an MoE router's selection bias) i
 is zero and read as zeros from a folder without it.
 `export_hf` writes the weights, config.json and, given the run's tokenizer, its Hugging Face files, the BOS/EOS/PAD ids
 in config.json and a generation_config.json: a folder that `transformers` loads and turns into text.
-titan_dmuon/components/export.py streams a DCP checkpoint into it (scripts/convert_checkpoint.py,
-`checkpoint.last_save_in_hf`).
+convert.py streams a DCP checkpoint into it (scripts/convert_checkpoint.py, `checkpoint.last_save_in_hf`).
 
 safetensors (and transformers, for the tests) are dev dependencies, imported only when these functions run.
 """

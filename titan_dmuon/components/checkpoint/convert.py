@@ -4,13 +4,13 @@
     export_dcp_to_hf(step_folder, out_folder, cfg, dtype=torch.bfloat16)   # cfg: the job's JobConfig
 
 scripts/convert_checkpoint.py is the command line over these functions; `checkpoint.last_save_in_hf`
-(titan_dmuon/components/checkpoint.py) calls `export_dcp_to_hf` on rank 0 after the last save. Tensors are read
+(manager.py) calls `export_dcp_to_hf` on rank 0 after the last save. Tensors are read
 from the checkpoint in groups of at most `max_shard_bytes` (one tensor alone when it is larger) and written as
 safetensors shards of at most that size, so memory stays within a few times the larger of that size and the
 largest tensor, whatever the model's size; no rank ever holds the whole model (`dcp_to_torch` and `hf_to_dcp`
-do: they write or read one file/state dict). Checkpoints are read as titan_dmuon/components/checkpoint.py loads
-them: no code is unpickled (a `.metadata` naming other classes is refused). Problems a user can fix raise
-`ExportError` with a message naming what and the fix.
+do: they write or read one file/state dict). Checkpoints are read as a resume reads them (dcp_io.py): no code is
+unpickled (a `.metadata` naming other classes is refused); the Hugging Face side is hf_io.py's. Problems a user can
+fix raise `ExportError` with a message naming what and the fix.
 """
 
 from __future__ import annotations
@@ -21,8 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_dmuon.components.hf import DEFAULT_MAX_SHARD_BYTES
+from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
+from titan_dmuon.config import ConfigError, parse_args
+from titan_dmuon.data.errors import DataError
+from titan_dmuon.data.tokenizer import build_tokenizer
+
+from .dcp_io import METADATA_ERRORS, SafeLoadPlanner, SafeReader, read_metadata
+from .hf_io import DEFAULT_MAX_SHARD_BYTES, export_hf, hf_tensor_shapes, load_hf_weights
 
 _VOCAB_PROBE = 999_983  # a prime no other dimension of a model equals: where it shows up, the vocabulary is
 
@@ -44,8 +52,6 @@ def find_saved_config(src: Path) -> Path | None:
 def job_config(src: Path | None, config: str | None, overrides: list[str]):
     """The JobConfig of checkpoint `src`: `config` (a TOML path) or the one saved with it (else, or without a `src`,
     the defaults), then the `--section.field value` overrides; ExportError naming a bad one."""
-    from titan_dmuon.config import ConfigError, parse_args
-
     path = config or (find_saved_config(src) if src is not None else None)
     try:
         return parse_args((["--config", str(path)] if path else []) + overrides)
@@ -56,8 +62,6 @@ def job_config(src: Path | None, config: str | None, overrides: list[str]):
 def build_meta(cfg, shape_of: Callable[[str], tuple[int, ...] | None]):
     """(model on meta, its spec) for `cfg`, with the vocabulary size the checkpoint's tensors have: a first
     build with a probe vocabulary finds which dimensions are the vocabulary, `shape_of(fqn)` gives their size."""
-    from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec
-
     try:
         spec = get_model_spec(cfg.model.name)
         check_flavor(spec, cfg.model.flavor)
@@ -95,19 +99,13 @@ def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[in
 
 def read_dcp_metadata(src: Path) -> dict[str, Any]:
     """{fqn: TensorStorageMetadata} of the model weights (`model.<fqn>` keys) of DCP checkpoint `src`, read
-    with titan_dmuon/components/checkpoint.py's `read_metadata`: a `.metadata` naming anything but DCP's metadata
-    classes is refused, never unpickled into running code."""
-    import pickle
-
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from titan_dmuon.components.checkpoint import read_metadata
-
+    with dcp_io.py's `read_metadata`: a `.metadata` naming anything but DCP's metadata classes is refused, never
+    unpickled into running code."""
     if not (src / ".metadata").is_file():
         raise ExportError(f"{src} is not a DCP checkpoint folder (no .metadata): give a step-<N> folder")
     try:
         metadata = read_metadata(src)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+    except METADATA_ERRORS as e:
         raise ExportError(
             f"{src / '.metadata'} is not DCP checkpoint metadata ({type(e).__name__}: {e}); nothing was loaded: "
             "give a checkpoint folder written by train.py (torch.distributed.checkpoint)"
@@ -126,9 +124,6 @@ def read_dcp_metadata(src: Path) -> dict[str, Any]:
 def stream_dcp(src: Path, entries: dict, order: list[str], max_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(fqn, full tensor) of the DCP checkpoint's model weights in `order`, read in groups of at most
     `max_bytes` (one tensor alone when it is larger); no process group (none is used where one exists)."""
-    import torch.distributed.checkpoint as dcp
-
-    from titan_dmuon.components.checkpoint import SafeLoadPlanner, SafeReader
 
     def load(group: list[str]):
         sd = {f"model.{k}": torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in group}
@@ -172,11 +167,8 @@ def export_dcp_to_hf(
     """Write the model weights of DCP checkpoint folder `src` as the Hugging Face folder `dst` (which must hold
     no weights yet), for the job config `cfg` (model name/flavor, training.seq_len; the vocabulary size is the
     checkpoint's), streaming (module docstring). With `tokenizer`, `cfg.model.tokenizer` is read and written
-    beside the weights, with its ids in config.json and generation_config.json (titan_dmuon/components/hf.py
-    `export_hf`). Returns the safetensors files written."""
-    from titan_dmuon.components.hf import export_hf
-    from titan_dmuon.data import DataError, build_tokenizer
-
+    beside the weights, with its ids in config.json and generation_config.json (hf_io.py's `export_hf`). Returns
+    the safetensors files written."""
     src, dst = Path(src), Path(dst)
     entries, model, spec, order = _model_of(src, cfg)
     if spec.state_dict_adapter is None:
@@ -226,10 +218,6 @@ def dcp_to_torch(
 def hf_to_dcp(src: str | Path, dst: str | Path, cfg, *, dtype: torch.dtype | None = None) -> int:
     """HF folder -> a DCP folder holding `{"model": full state dict}` (what `initial_load_path` and
     `export_dcp_to_hf` read); holds the whole model in memory. Returns the number of tensors."""
-    import torch.distributed.checkpoint as dcp
-
-    from titan_dmuon.components.hf import hf_tensor_shapes, load_hf_weights
-
     src, dst = Path(src), Path(dst)
     try:
         shapes = hf_tensor_shapes(src)

@@ -8,7 +8,7 @@
 
 One checkpoint is the folder `<job.dump_folder>/<checkpoint.folder>/step-<N>/`: DCP's `.metadata` and data
 files, plus `config.toml` (the resolved config, whose [model] table is compared on load) and `checksums.json` (every
-file's size and CRC32s: titan_dmuon/components/checkpoint_integrity.py). Its DCP state dict:
+file's size and CRC32s: integrity.py); folder.py names what the folder holds. Its DCP state dict:
 
     model         the optimizer component's model_state_dict(): this rank's share, keyed by FQN
     optimizer     the component's state_dict() (Muon momentum, AdamW moments, param groups)
@@ -30,9 +30,9 @@ new one is in place. An async save is committed by its own thread as soon as it 
 training waits for that only before the next save starts and at close().
 
 `checkpoint.last_save_in_hf`: once the last step's checkpoint is committed, rank 0 converts it into the Hugging Face
-folder `step-<N>-hf` beside it (titan_dmuon/components/export.py, what scripts/convert_checkpoint.py runs: streamed,
-never the whole model in memory), written as `step-<N>-hf.tmp-<id>` and renamed when complete; the other ranks wait
-for the outcome (one gather), so that a failure is the same CheckpointError on every rank.
+folder `step-<N>-hf` beside it (convert.py, what scripts/convert_checkpoint.py runs: streamed, never the whole
+model in memory), written as `step-<N>-hf.tmp-<id>` and renamed when complete; the other ranks wait for the outcome
+(one gather), so that a failure is the same CheckpointError on every rank.
 
 Damage: before loading a step, every rank checks it against its checksums.json: the sizes of all files (a stat
 each, shared out among the ranks) and the CRC32s of what it will read (.metadata, the blocks holding its items);
@@ -43,40 +43,44 @@ step before it; no intact step, or load_step / initial_load_path at a damaged on
 damage. A step saved before checksums.json was kept loads unchecked (an INFO line says so).
 
 Loading never unpickles code: `.metadata` is read by an unpickler that admits only DCP's metadata classes,
-and non-tensor items are read with torch.load(weights_only=True). A missing, partial or mismatched
-checkpoint raises CheckpointError (a ConfigError: train.py exits 2), naming the folder and the mismatch.
+and non-tensor items are read with torch.load(weights_only=True) (dcp_io.py). Each rank reads `.metadata` once per
+load: its damage check reads it and builds the state the values land in, and the load goes on with both. A missing,
+partial or mismatched checkpoint raises CheckpointError (a ConfigError: train.py exits 2), naming the folder and the
+mismatch.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 import logging
 import os
-import pickle
-import random
-import re
-import resource
 import shutil
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import staging
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
-from titan_dmuon import dmuon
-from titan_dmuon.components.checkpoint_integrity import (
+from titan_dmuon.components.lr_scheduler import schedule_change
+from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
+from titan_dmuon.dtypes import to_dtype
+from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
+
+from .convert import export_dcp_to_hf
+from .dcp_io import METADATA, METADATA_ERRORS, SafeLoadPlanner, SafeReader, read_metadata
+from .folder import CONFIG, DAMAGED, MODEL_ONLY, STEP_DIR, TEMP_DIR, complete_steps, fsync, step_folders
+from .hf_io import load_hf_weights
+from .integrity import (
     MANIFEST,
     ChecksummingWriter,
     DamagedError,
@@ -85,18 +89,10 @@ from titan_dmuon.components.checkpoint_integrity import (
     read_manifest,
     write_manifest,
 )
-from titan_dmuon.components.lr_scheduler import schedule_change
-from titan_dmuon.config import ConfigError, JobConfig, dump_toml, load_toml
-from titan_dmuon.parallel.runtime import new_group_with_timeout, raised_collective_timeout
+from .memory import local_bytes, memory_line, memory_row, memory_summary, rss_mib
+from .rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_TEMP_DIR = re.compile(r"^step-\d+(-hf)?\.(tmp|deleting)-[0-9a-f]+$")
-_DAMAGED = "damaged"  # step-<N>.damaged-<id>: a damaged step set aside by a resume that skipped it
-_METADATA = ".metadata"
-_CONFIG = "config.toml"
-_MODEL_ONLY = "model_only"  # marks a last_save_model_only checkpoint: keep_latest_k neither counts nor deletes it
 
 
 class CheckpointError(ConfigError):
@@ -113,178 +109,27 @@ def check_async_mode(cfg: JobConfig) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------ the folder
-def step_folders(folder: str | Path) -> dict[int, Path]:
-    """Every `step-<N>` folder (renamed, so meant to be complete) of a checkpoint folder, by step."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return {}
-    out = {}
-    for entry in folder.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
-            out[int(m.group(1))] = entry
-    return dict(sorted(out.items()))
-
-
-def complete_steps(folder: str | Path) -> list[int]:
-    """The steps of the complete checkpoints (a step-<N> folder holding DCP's .metadata), oldest first."""
-    return [s for s, path in step_folders(folder).items() if (path / _METADATA).is_file()]
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ------------------------------------------------------------------------- loading without unpickling code
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's `.metadata` is made of: its dataclasses, torch.Size/dtypes, paths."""
-
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata; refusing to load it")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader whose `.metadata` goes through `read_metadata` (no code is unpickled)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_metadata(self.path, load_id=self.load_id)
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, reading non-tensor items (param group hyper-parameters) with weights_only=True."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def read_metadata(path: str | Path, load_id: str | None = None) -> Metadata:
-    """A checkpoint's DCP metadata (key -> global shape/dtype), read without unpickling arbitrary code."""
-    with open(Path(path) / _METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
-    if getattr(metadata, "storage_meta", None) is None:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        metadata.storage_meta = StorageMeta()
-    metadata.storage_meta.load_id = load_id
-    return metadata
-
-
-# ---------------------------------------------------------------------------------------------- pieces
-def _rng_state() -> dict[str, torch.Tensor]:
-    """This process's generator states as tensors (no pickled objects in the checkpoint)."""
-    version, mt, gauss = random.getstate()
-    np_state = np.random.get_state()
-    out = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor([version, *mt], dtype=torch.int64),
-        "python_gauss": torch.tensor(float("nan") if gauss is None else gauss, dtype=torch.float64),
-        "numpy": torch.tensor([*np_state[1].tolist(), np_state[2], np_state[3]], dtype=torch.int64),
-        "numpy_gauss": torch.tensor(np_state[4], dtype=torch.float64),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"].tolist()
-    gauss = float(state["python_gauss"])
-    random.setstate((py[0], tuple(py[1:]), None if np.isnan(gauss) else gauss))
-    npy = state["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(npy[:-2], dtype=np.uint32), npy[-2], npy[-1], float(state["numpy_gauss"])))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _local_bytes(sd: dict[str, Any]) -> int:
-    """Bytes of the tensors this rank holds in a (nested) state dict: a DTensor counts its local shard."""
-    total = 0
-    for v in flatten_state_dict(sd)[0].values():
-        if isinstance(v, DTensor):
-            v = v.to_local()
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-    return total
-
-
-def _rss_mib() -> tuple[float, float]:
-    """(current RSS, peak RSS so far) of this process in MiB."""
-    with open("/proc/self/statm") as f:
-        current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return current / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 # ------------------------------------------------------------------------------------------- the manager
-def _memory_summary(rows: list[dict]) -> dict:
-    """The ranks' memory rows of one save or load as one record: [min, median, max] over the ranks of each figure,
-    the growth of each rank's peak over what it held before, and the largest growth beyond the rank's own share of
-    the state (what a save or load should cost at most)."""
+@dataclass
+class _StepRead:
+    """What this rank's damage check (`CheckpointManager._verify_step`) read of a step folder, handed on to the load
+    (`_load_dcp`) so that `.metadata` is read, and the state to load into built, once per load."""
 
-    def spread(values: list[float]) -> list[float]:
-        v = sorted(values)
-        return [round(v[0], 1), round(v[len(v) // 2], 1), round(v[-1], 1)]
-
-    growth = [r["peak_after_mib"] - max(r["peak_before_mib"], r["rss_before_mib"]) for r in rows]
-    beyond = [g - r["state_share_mib"] for g, r in zip(growth, rows, strict=True)]
-    worst = max(range(len(rows)), key=beyond.__getitem__)
-    return {
-        "what": rows[0]["what"],
-        "step": rows[0]["step"],
-        "ranks": len(rows),
-        "rss_before_mib": spread([r["rss_before_mib"] for r in rows]),
-        "peak_after_mib": spread([r["peak_after_mib"] for r in rows]),
-        "peak_growth_mib": spread(growth),
-        "state_share_mib": spread([r["state_share_mib"] for r in rows]),
-        "growth_beyond_share_mib": {"max": round(beyond[worst], 1), "rank": rows[worst]["rank"]},
-    }
+    metadata: Metadata | None = None
+    error: str | None = None
+    """Why `.metadata` could not be read (the load's CheckpointError message), when it could not."""
+    model_only: bool = False
+    """What `template` was built for: the model (and train state) alone, or the whole state."""
+    template: dict[str, Any] | None = None
+    """`_template(metadata, model_only)`: the live state's layout, which the loaded values land in."""
 
 
-def _memory_line(summary: dict, gathered: bool) -> str:
-    """`_memory_summary`'s record as the sentence rank 0's log shows (the record itself goes to DEBUG)."""
-
-    def span(v: list[float]) -> str:
-        return f"{v[0]:.1f}" if v[0] == v[-1] else f"{v[0]:.1f}-{v[-1]:.1f}"
-
-    n = summary["ranks"]
-    who = (f"{n} ranks" if n > 1 else "1 rank") if gathered else "rank 0's figures"
-    growth, beyond = summary["peak_growth_mib"][-1], summary["growth_beyond_share_mib"]
-    if beyond["max"] > 0:
-        share = f"rank {beyond['rank']} grew {beyond['max']:.1f} MiB beyond its state share"
-    else:
-        share = "within each rank's state share"
-    return (
-        f"checkpoint {summary['what']} of step {summary['step']} ({who}): peak memory +{growth:.1f} MiB at most, "
-        f"{share} ({span(summary['state_share_mib'])} MiB); RSS {span(summary['rss_before_mib'])} MiB before"
-    )
+def _read_step(path: Path) -> _StepRead:
+    """Step folder `path`'s `.metadata`, or why it cannot be read."""
+    try:
+        return _StepRead(metadata=read_metadata(path))
+    except METADATA_ERRORS as e:
+        return _StepRead(error=f"checkpoint {path}: unreadable {METADATA} ({type(e).__name__}: {e})")
 
 
 class CheckpointManager:
@@ -371,13 +216,13 @@ class CheckpointManager:
             },
         }
         if model_only:
-            dtype = dmuon.to_dtype(self.c.export_dtype)
+            dtype = to_dtype(self.c.export_dtype)
             sd["model"] = {k: v.detach().to(dtype) for k, v in sd["model"].items()}
             return sd
         sd["optimizer"] = self.optim.state_dict()
         sd["lr_scheduler"] = {"last_epoch": torch.tensor(self.lr_scheduler.last_epoch)}
         sd["dataloader"] = self._dataloader_state()
-        sd["rng"] = {f"rank{self.rank}": _rng_state()}
+        sd["rng"] = {f"rank{self.rank}": rng_state()}
         return sd
 
     # ------------------------------------------------------------------------------------------- saving
@@ -420,9 +265,9 @@ class CheckpointManager:
                 temp = self.folder / f"step-{step}.tmp-{uuid.uuid4().hex[:12]}"
                 try:
                     temp.mkdir(parents=True)
-                    (temp / _CONFIG).write_text(dump_toml(self._resolved_config()))
+                    (temp / CONFIG).write_text(dump_toml(self._resolved_config()))
                     if model_only:
-                        (temp / _MODEL_ONLY).write_text("model weights only (checkpoint.last_save_model_only)\n")
+                        (temp / MODEL_ONLY).write_text("model weights only (checkpoint.last_save_model_only)\n")
                 except OSError as e:  # told to every rank, which would otherwise wait for rank 0 in DCP
                     shutil.rmtree(temp, ignore_errors=True)
                     error = f"checkpoint: cannot write {temp} ({type(e).__name__}: {e}); check checkpoint.folder"
@@ -436,10 +281,10 @@ class CheckpointManager:
         if not self._shared_checked:
             self._check_shared(temp, remove=temp)
             self._shared_checked = True
-        rss_before, peak_before = _rss_mib()
+        rss_before, peak_before = rss_mib()
         t0 = time.perf_counter()
         state = self._state_dict(step, tokens_seen, model_only, elapsed_s)
-        share = _local_bytes(state)
+        share = local_bytes(state)
         writer = ChecksummingWriter(temp, sync_files=True)  # hashes every file as it writes it
         if self._pg is None:
             dcp.save(state, storage_writer=writer)
@@ -449,9 +294,7 @@ class CheckpointManager:
             kwargs: dict[str, Any] = {}
             if self.c.async_mode == "async_with_pinned_mem":
                 if self._stager is None:  # pinned buffers allocated once and reused (the previous save is done)
-                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                    self._stager = DefaultStager(StagingOptions(True, False, False, False))
+                    self._stager = staging.DefaultStager(staging.StagingOptions(True, False, False, False))
                 kwargs["async_stager"] = self._stager
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, **kwargs)
             self._pending = self._commit_when_done(future, temp, final, step, t0, writer)
@@ -486,8 +329,6 @@ class CheckpointManager:
 
     def _export_hf(self, step: int) -> str | None:
         """Rank 0: write hf_folder(step) from step-<step>; None, or the error message."""
-        from titan_dmuon.components.export import export_dcp_to_hf
-
         src, dst = self.folder / f"step-{step}", self.hf_folder(step)
         if dst.exists():
             logger.warning("checkpoint: %s exists already; not overwriting it (last_save_in_hf skipped)", dst)
@@ -495,9 +336,9 @@ class CheckpointManager:
         temp = self.folder / f"{dst.name}.tmp-{uuid.uuid4().hex[:12]}"
         t0 = time.perf_counter()
         try:
-            files = export_dcp_to_hf(src, temp, self._resolved_config(), dtype=dmuon.to_dtype(self.c.export_dtype))
+            files = export_dcp_to_hf(src, temp, self._resolved_config(), dtype=to_dtype(self.c.export_dtype))
             os.rename(temp, dst)
-            _fsync(self.folder)
+            fsync(self.folder)
         except Exception as e:  # any failure: every rank waits for this outcome, so it must be told, not raised here
             shutil.rmtree(temp, ignore_errors=True)
             cast = "" if self.c.export_dtype == "float32" else f" --export-dtype {self.c.export_dtype}"
@@ -549,12 +390,12 @@ class CheckpointManager:
             return
         if writer.digests is None:
             raise RuntimeError(f"checkpoint: the save of {temp} returned no file checksums")
-        extra = [name for name in (_CONFIG, _MODEL_ONLY) if (temp / name).is_file()]  # rank 0's own small files
+        extra = [name for name in (CONFIG, MODEL_ONLY) if (temp / name).is_file()]  # rank 0's own small files
         write_manifest(temp, writer.digests, extra=extra)
-        _fsync(temp / _METADATA)
-        _fsync(temp)
+        fsync(temp / METADATA)
+        fsync(temp)
         os.rename(temp, final)
-        _fsync(self.folder)
+        fsync(self.folder)
         logger.info("checkpoint: saved %s in %.2f s", final, time.perf_counter() - t0)
         self._prune()
 
@@ -563,7 +404,7 @@ class CheckpointManager:
         cannot be resumed from, so it must not push out the newest one that can)."""
         if self.c.keep_latest_k <= 0:
             return
-        full = [s for s in complete_steps(self.folder) if not (self.folder / f"step-{s}" / _MODEL_ONLY).exists()]
+        full = [s for s in complete_steps(self.folder) if not (self.folder / f"step-{s}" / MODEL_ONLY).exists()]
         for step in full[: -self.c.keep_latest_k]:
             path = self.folder / f"step-{step}"
             doomed = self.folder / f"step-{step}.deleting-{uuid.uuid4().hex[:12]}"
@@ -601,30 +442,18 @@ class CheckpointManager:
             )
 
     def _resolved_config(self) -> JobConfig:
-        import dataclasses
-
         return dataclasses.replace(self.cfg, training=dataclasses.replace(self.cfg.training, seed=self.seed))
 
     def _record(self, what: str, step: int, rss_before: float, peak_before: float, share: int, gather: bool) -> None:
-        rss, peak = _rss_mib()
-        row = {
-            "what": what,
-            "step": step,
-            "rank": self.rank,
-            "rss_before_mib": round(rss_before, 1),
-            "peak_before_mib": round(peak_before, 1),
-            "peak_after_mib": round(peak, 1),
-            "rss_after_mib": round(rss, 1),
-            "state_share_mib": round(share / 2**20, 3),
-        }
+        row = memory_row(what, step, self.rank, rss_before, peak_before, share)
         self.memory.append(row)
         rows = [row]
         if gather:
             rows = [None] * self.world_size
             dist.all_gather_object(rows, row)
         if self.rank == 0:  # one line for the job, whatever its size (every rank's row stays in `self.memory`)
-            summary = _memory_summary(rows)
-            logger.info("%s", _memory_line(summary, gathered=gather))
+            summary = memory_summary(rows)
+            logger.info("%s", memory_line(summary, gathered=gather))
             logger.debug("checkpoint memory: %s", json.dumps(summary))  # the machine-readable record
 
     # ------------------------------------------------------------------------------------------ loading
@@ -633,7 +462,7 @@ class CheckpointManager:
         if self.rank != 0 or not self.folder.is_dir():
             return
         for entry in self.folder.iterdir():
-            if _TEMP_DIR.match(entry.name):
+            if TEMP_DIR.match(entry.name):
                 logger.info("checkpoint: removing the unfinished %s", entry)
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -661,7 +490,7 @@ class CheckpointManager:
         damaged: list[tuple[Path, str]] = []  # newer steps skipped, with what is wrong with each
         for choice in candidates:  # newest first: the newest intact step (checksums.json), every rank agreeing
             path = self.folder / f"step-{choice}"
-            problem = self._check_step(path, model_only=False)
+            problem, read = self._check_step(path, model_only=False)
             if problem is None:
                 break
             if self.c.load_step >= 0:  # the step asked for: no other one instead
@@ -679,7 +508,7 @@ class CheckpointManager:
         if choice < self.cfg.training.steps:  # else nothing will be saved: leave the folder as it is
             self.clean_temporaries()
         self._skip_damaged(damaged, choice, set_aside=choice < self.cfg.training.steps)
-        step = self._load_dcp(path, model_only=False, check_config=True)
+        step = self._load_dcp(path, model_only=False, check_config=True, read=read)
         self.loaded_step = step
         return step, self._tokens_seen
 
@@ -703,25 +532,27 @@ class CheckpointManager:
             )
         return [self.c.load_step]
 
-    def _check_step(self, path: Path, model_only: bool) -> str | None:
+    def _check_step(self, path: Path, model_only: bool) -> tuple[str | None, _StepRead | None]:
         """Whether every rank may load step folder `path`: each rank checks its part of it against its checksums.json
-        (`_verify_step`) and one all_gather makes the decision every rank's. None (intact, or saved before checksums
-        were kept: an INFO line says it is unchecked), or what is damaged; CheckpointError when rank 0 sees neither
-        .metadata nor checksums.json (a partial folder) or another rank does not see the folder at all."""
+        (`_verify_step`) and one all_gather makes the decision every rank's. Returns (the damage found, or None when it
+        is intact or was saved before checksums were kept: an INFO line says it is unchecked; what this rank's check
+        read for the load, or None). CheckpointError when rank 0 sees neither .metadata nor checksums.json (a
+        partial folder) or another rank does not see the folder at all."""
         # What `_verify_step`'s template is made of, made on every rank before any rank's check may stop early: the
         # first call may run collectives (torch's get_optimizer_state_dict steps a fresh optimizer, e.g. muon_naive's)
         self.optim.model_state_dict()
         if not model_only:
             self.optim.state_dict()
+        read = None
         try:
-            mine = self._verify_step(path, model_only)
+            mine, read = self._verify_step(path, model_only)
         except Exception as e:  # noqa: BLE001 - told to every rank (which would otherwise wait in the gather)
             mine = (True, f"it could not be checked ({type(e).__name__}: {e})", True)
         views: list[tuple[bool, str | None, bool] | None] = [None] * self.world_size
         dist.all_gather_object(views, mine)
         if not views[0][0]:
             raise CheckpointError(
-                f"checkpoint {path} is partial or corrupted (no {_METADATA}); remove it to resume from the one "
+                f"checkpoint {path} is partial or corrupted (no {METADATA}); remove it to resume from the one "
                 "before, or set checkpoint.load_step"
             )
         blind = [r for r, view in enumerate(views) if not view[0]]
@@ -733,46 +564,47 @@ class CheckpointManager:
         found = next(((r, view[1]) for r, view in enumerate(views) if view[1]), None)
         if found is not None:
             rank, problem = found
-            return problem if self.world_size == 1 else f"{problem}, found by rank {rank}"
+            return (problem if self.world_size == 1 else f"{problem}, found by rank {rank}"), None
         if not views[0][2] and self.rank == 0:
             logger.info(
                 "checkpoint: %s has no %s (saved before checksums were kept): loading it unchecked", path, MANIFEST
             )
-        return None
+        return None, read
 
-    def _verify_step(self, path: Path, model_only: bool) -> tuple[bool, str | None, bool]:
+    def _verify_step(self, path: Path, model_only: bool) -> tuple[tuple[bool, str | None, bool], _StepRead | None]:
         """This rank's check of step folder `path`, reading no file (or block) it would not read to load it:
-        (whether it sees the folder: its checksums.json or .metadata, the damage found or None, whether it was
-        checked against a checksums.json). The sizes of a share of the files (a stat each, every file by some rank);
-        the checksums of .metadata (every rank reads it), of rank 0's config.toml and marker (rank 0 reads them) and
-        of the blocks holding the bytes this rank loads (DCP's metadata, planned as dcp.load plans). A mismatch of
-        keys or shapes is not damage: `_load_dcp` names it."""
-        if not ((path / MANIFEST).is_file() or (path / _METADATA).is_file()):
-            return False, None, False
+        ((whether it sees the folder: its checksums.json or .metadata, the damage found or None, whether it was
+        checked against a checksums.json), what it read of `.metadata` for the load: None when it read none or found
+        damage). The sizes of a share of the files (a stat each, every file by some rank); the checksums of .metadata
+        (every rank reads it), of rank 0's config.toml and marker (rank 0 reads them) and of the blocks holding the
+        bytes this rank loads (DCP's metadata, planned as dcp.load plans). A mismatch of keys or shapes is not
+        damage: `_load_dcp` names it."""
+        if not ((path / MANIFEST).is_file() or (path / METADATA).is_file()):
+            return (False, None, False), None
         try:
             manifest = read_manifest(path)
         except DamagedError as e:
-            return True, str(e), True
+            return (True, str(e), True), None
         if manifest is None:
-            return True, None, False
+            return (True, None, False), None
         names = sorted(manifest.files)
         problem = check_sizes(path, manifest, names[self.rank :: self.world_size])
-        if problem is None and _METADATA not in manifest.files:
-            problem = f"{MANIFEST} does not list {_METADATA}"
-        small = [n for n in names if n == _METADATA or (self.rank == 0 and not n.endswith(".distcp"))]
+        if problem is None and METADATA not in manifest.files:
+            problem = f"{MANIFEST} does not list {METADATA}"
+        small = [n for n in names if n == METADATA or (self.rank == 0 and not n.endswith(".distcp"))]
         for name in small:
             problem = problem or check_blocks(path, manifest, name)
         if problem:
-            return True, problem, True
-        try:
-            metadata = read_metadata(path)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
-            return True, None, True  # intact as saved, yet unreadable: `_load_dcp` says so
+            return (True, problem, True), None
+        read = _read_step(path)
+        if read.metadata is None:
+            return (True, None, True), read  # intact as saved, yet unreadable: `_load_dcp` says so
+        metadata = read.metadata
         saved = metadata.state_dict_metadata
-        model_only = model_only or not any(k.startswith("optimizer.") for k in saved)
-        state = self._template(saved, model_only)
+        read.model_only = model_only or not any(k.startswith("optimizer.") for k in saved)
+        state = read.template = self._template(saved, read.model_only)
         if self._mismatch(path, state, saved):
-            return True, None, True
+            return (True, None, True), read
         planner = SafeLoadPlanner()  # what dcp.load will read on this rank: (file, offset, length) of each item
         planner.set_up_planner(state, metadata, self.rank == 0)
         ranges: dict[str, list[tuple[int, int]]] = {}
@@ -781,11 +613,11 @@ class CheckpointManager:
             ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
         for name in sorted(ranges):
             if name not in manifest.files:
-                return True, f"{name} (which {_METADATA} names) is not in {MANIFEST}", True
+                return (True, f"{name} (which {METADATA} names) is not in {MANIFEST}", True), None
             problem = check_blocks(path, manifest, name, ranges[name])
             if problem:
-                return True, problem, True
-        return True, None, True
+                return (True, problem, True), None
+        return (True, None, True), read
 
     def _skip_damaged(self, damaged: list[tuple[Path, str]], chosen: int, set_aside: bool) -> None:
         """Rank 0: one WARNING line per damaged step the resume skips, and (when this run will save) the step set
@@ -796,7 +628,7 @@ class CheckpointManager:
         for path, problem in damaged:
             where = "left as it is (this run saves nothing)"
             if set_aside:
-                aside = path.with_name(f"{path.name}.{_DAMAGED}-{uuid.uuid4().hex[:12]}")
+                aside = path.with_name(f"{path.name}.{DAMAGED}-{uuid.uuid4().hex[:12]}")
                 try:
                     os.rename(path, aside)
                     where = f"moved to {aside.name}: delete it once inspected"
@@ -810,7 +642,7 @@ class CheckpointManager:
                 where,
             )
         if damaged and set_aside:
-            _fsync(self.folder)
+            fsync(self.folder)
 
     def _initial_load(self) -> tuple[int, int]:
         path = Path(self.c.initial_load_path)
@@ -826,12 +658,12 @@ class CheckpointManager:
             )
         if kind == "hf":
             return self._initial_load_hf(path)
-        problem = self._check_step(path, model_only=self.c.initial_load_model_only)
+        problem, read = self._check_step(path, model_only=self.c.initial_load_model_only)
         if problem is not None:  # the folder asked for: no other one instead
             raise CheckpointError(
                 f"checkpoint.initial_load_path {path} is damaged ({problem}); point it at an intact checkpoint"
             )
-        step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False)
+        step = self._load_dcp(path, model_only=self.c.initial_load_model_only, check_config=False, read=read)
         if self.c.initial_load_model_only:
             logger.info("checkpoint: started from the model weights of %s", path)
             self.elapsed_s = 0.0
@@ -845,14 +677,12 @@ class CheckpointManager:
             return f"checkpoint.initial_load_path {path} is not a folder"
         if any(path.glob("*.safetensors")):
             return "hf"
-        if not (path / _METADATA).is_file():
-            return f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({_METADATA})"
+        if not (path / METADATA).is_file():
+            return f"checkpoint.initial_load_path {path} holds neither *.safetensors nor a DCP checkpoint ({METADATA})"
         return "dcp"
 
     def _initial_load_hf(self, path: Path) -> tuple[int, int]:
-        """The weights of a Hugging Face folder, each rank reading its share (titan_dmuon/components/hf.py)."""
-        from titan_dmuon.components.hf import load_hf_weights
-
+        """The weights of a Hugging Face folder, each rank reading its share (hf_io.py)."""
         spec = self.optim.spec
         if spec.state_dict_adapter is None:
             raise CheckpointError(
@@ -872,13 +702,13 @@ class CheckpointManager:
 
     def _check_config(self, path: Path) -> str | None:
         """The saved config's [model] table against this run's (another family/flavor is another model)."""
-        config = path / _CONFIG
+        config = path / CONFIG
         if not config.is_file():
-            return f"checkpoint {path} is partial: no {_CONFIG}"
+            return f"checkpoint {path} is partial: no {CONFIG}"
         try:
             saved = load_toml(str(config))
         except (ConfigError, OSError, ValueError) as e:
-            return f"checkpoint {path}: unreadable {_CONFIG} ({e})"
+            return f"checkpoint {path}: unreadable {CONFIG} ({e})"
         self.saved_config = saved
         for key in ("name", "flavor"):
             theirs, mine = getattr(saved.model, key), getattr(self.cfg.model, key)
@@ -889,21 +719,21 @@ class CheckpointManager:
                 )
         return None
 
-    def _load_dcp(self, path: Path, model_only: bool, check_config: bool) -> int:
-        rss_before, peak_before = _rss_mib()
+    def _load_dcp(self, path: Path, model_only: bool, check_config: bool, read: _StepRead | None) -> int:
+        """Load step folder `path` (`read`: what `_check_step` read of it on this rank, None where it read nothing);
+        its step."""
+        rss_before, peak_before = rss_mib()
         t0 = time.perf_counter()
         error = self._check_config(path) if (check_config and self.rank == 0) else None
-        metadata = None
         if error is None:
-            try:
-                metadata = read_metadata(path)
-            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-                error = f"checkpoint {path}: unreadable {_METADATA} ({type(e).__name__}: {e})"
+            if read is None:  # saved before checksums were kept: the check read no .metadata
+                read = _read_step(path)
+            error = read.error
         self._agree(error)
-        saved = metadata.state_dict_metadata
+        saved = read.metadata.state_dict_metadata
         has_optimizer = any(k.startswith("optimizer.") for k in saved)
         if not model_only and not has_optimizer:
-            step = int(path.name.removeprefix("step-")) if _STEP_DIR.match(path.name) else 0
+            step = int(path.name.removeprefix("step-")) if STEP_DIR.match(path.name) else 0
             if check_config and step < self.cfg.training.steps:  # a resume would go on without optimizer and data
                 raise CheckpointError(
                     f"checkpoint {path} holds model weights only (checkpoint.last_save_model_only), so training "
@@ -912,7 +742,8 @@ class CheckpointManager:
                 )
             model_only = True
             logger.warning("checkpoint: %s holds model weights only; the optimizer state starts fresh", path)
-        state = self._template(saved, model_only)
+        built = read.template is not None and read.model_only == model_only  # by the damage check, for this load
+        state = read.template if built else self._template(saved, model_only)
         self._agree(self._mismatch(path, state, saved))
         try:
             dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
@@ -929,9 +760,9 @@ class CheckpointManager:
             self.dataloader.seek(int(d["step"]), {j: d["rows"][j].tolist() for j in self.dataloader.rows})
             mine = state.get("rng", {}).get(f"rank{self.rank}")
             if mine is not None:
-                _set_rng_state(mine)
+                set_rng_state(mine)
         logger.info("checkpoint: loaded %s (step %d) in %.2f s", path, step, time.perf_counter() - t0)
-        self._record("load", step, rss_before, peak_before, _local_bytes(state), gather=True)
+        self._record("load", step, rss_before, peak_before, local_bytes(state), gather=True)
         return step
 
     def _template(self, saved: dict[str, Any], model_only: bool) -> dict[str, Any]:
@@ -950,7 +781,7 @@ class CheckpointManager:
             "rows": torch.zeros(self.global_batch_size, 3, dtype=torch.int64),
         }
         if f"rng.rank{self.rank}.torch" in saved:
-            rng = _rng_state()
+            rng = rng_state()
             state["rng"] = {f"rank{self.rank}": {k: v for k, v in rng.items() if f"rng.rank{self.rank}.{k}" in saved}}
         return state
 
@@ -1018,13 +849,4 @@ class CheckpointManager:
         self._pending = None
 
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "SafeLoadPlanner",
-    "SafeReader",
-    "check_async_mode",
-    "complete_steps",
-    "read_metadata",
-    "step_folders",
-]
+__all__ = ["CheckpointError", "CheckpointManager", "check_async_mode"]
