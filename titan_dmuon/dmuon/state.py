@@ -7,7 +7,10 @@ that module is looked through (`unwrap`), so every public function accepts the w
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,9 +52,32 @@ def state_of(model: nn.Module, what: str) -> DMuonState:
     return state
 
 
+_LIVE: weakref.WeakSet[DMuonState] = weakref.WeakSet()  # every state alive, for `release_at_exit`
+
+
 def attach_state(model: nn.Module, state: DMuonState) -> None:
     """Record `state` as the model's (once: `dedicate_params*` refuses a model that has one)."""
     setattr(model, _ATTR, state)
+    _LIVE.add(state)
+
+
+def release_at_exit() -> int:
+    """At interpreter exit (an atexit hook of the package), after a clean end: when the default process group is
+    destroyed (`dist.destroy_process_group()`, as a script ends), every live DMuon state waits for its collectives
+    still in flight and drops its work handles and its own process groups, so that their backends (gloo's worker
+    threads) are freed now, while the interpreter is alive, and not during its teardown, where a worker releasing
+    a collective's tensors must take a GIL that CPython no longer gives ("terminate called without an active
+    exception"). While the default group is still up (a crash, or a script that never destroyed it) nothing is
+    touched: a peer may be gone, and a wait could last the whole collective timeout. Returns how many of DMuon's
+    own process groups were dropped."""
+    if dist.is_available() and dist.is_initialized():
+        return 0
+    dropped = sum(state.release() for state in list(_LIVE))
+    gc.collect()
+    return dropped
+
+
+atexit.register(release_at_exit)
 
 
 class DPAxes:
@@ -237,6 +263,28 @@ class DMuonState:
             if self.mode == "fsdp":
                 g.reshard()
         self._backward_ended = True
+
+    def release(self) -> int:
+        """Wait for the collectives in flight (reduces, publishes, prefetched broadcasts), then drop their handles and
+        this state's own process groups (DMuon's shard and replicate groups; the TP groups are the mesh's). The state
+        is unusable afterwards: for the end of a process (`release_at_exit`). Returns how many groups it dropped."""
+        works = [w for *_, w in self._pending + self._stage2] + [self._accumulated]
+        works += [w for g in self.groups for w in (g._unshard_work, g._publish)]
+        for work in works:
+            if work is not None:
+                work.wait()
+        self._pending.clear()
+        self._stage2.clear()
+        self._accumulated = Work()
+        for g in self.groups:
+            g._unshard_work = g._publish = g._deferred = None
+        dropped = 0
+        for axes in (self.axes, self.expert_axes):
+            if axes is None:
+                continue
+            dropped += (axes.shard_group is not None) + (axes.replicate_group is not None)
+            axes.shard_group = axes.replicate_group = None
+        return dropped
 
     def drain_publish(self) -> None:
         """Consume every group's post-step handoff (publish in flight, deferred TP tail), in group order."""
