@@ -255,9 +255,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "z3-backward-rebroadcast-skipped",
         "titan_dmuon/dmuon/group.py",
-        '            self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',
+        '            self._unshard_work = broadcast_coalesced(ops, ax.shard_group, st.ledger, "broadcast")\n',
         "            if not _in_backward():\n"
-        '                self._unshard_work = broadcast_coalesced(ops, st.shard_group, st.ledger, "broadcast")\n',
+        '                self._unshard_work = broadcast_coalesced(ops, ax.shard_group, st.ledger, "broadcast")\n',
         ("tests/distributed/test_dmuon_fsdp.py",),
         "reshard_after_forward (Z3): backward runs on whatever the re-allocated buffer holds, not the weights",
     ),
@@ -284,6 +284,46 @@ MUTANTS: tuple[Mutant, ...] = (
         "self.current[kind] += 2 * share\n",
         ("tests/unit/dmuon/test_comm_ledger.py",),
         "the dmuon/elements_* metrics report twice the traffic (a wrong Z2/Z3 or HSDP cost comparison)",
+    ),
+    Mutant(
+        "moe-aux-unscaled",
+        "titan_dmuon/trainer.py",
+        "set_aux_loss_scale(self.model, 1.0 / t.gradient_accumulation_steps)",
+        "set_aux_loss_scale(self.model, 1.0)",
+        ("tests/distributed/test_moe_aux_accumulation.py",),
+        "under gradient accumulation the MoE auxiliary loss weighs accumulation-steps times what it should",
+    ),
+    Mutant(
+        "stray-3d-muon",
+        "titan_dmuon/components/optimizer/base.py",
+        "strays = [n for n, p in selected if p.ndim == 3 and id(p) not in stacks]",
+        "strays = []",
+        ("tests/unit/framework/test_optimizer_components.py",),
+        "a regex that matches too much: Muon orthogonalizes a 3-D param that is no expert stack slice by slice",
+    ),
+    Mutant(
+        "checksum-unchecked",
+        "titan_dmuon/components/checkpoint/integrity.py",
+        "                if zlib.crc32(view) != crc:",
+        "                if False:",
+        ("tests/integration/test_checkpoint_damage.py",),
+        "a byte changed since the save (bit rot, a partial copy) is loaded as if intact",
+    ),
+    Mutant(
+        "exit-hook-missing",
+        "titan_dmuon/dmuon/state.py",
+        "atexit.register(release_at_exit)\n",
+        "",
+        ("tests/distributed/test_dmuon_exit.py",),
+        "DMuon's process groups live into interpreter teardown, where gloo's threads can abort a clean run (SIGABRT)",
+    ),
+    Mutant(
+        "kv-positions-one-low",
+        "titan_dmuon/components/kv_cache.py",
+        "        return (query[None, :] - self.pad[:, None]).clamp(min=0)\n",
+        "        return (query[None, :] - self.pad[:, None] - 1).clamp(min=0)\n",
+        ("tests/unit/framework/test_generation.py",),
+        "decoding with the KV cache rotates each new token one position too low: the text drifts from the model's",
     ),
 )
 
