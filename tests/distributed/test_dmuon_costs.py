@@ -10,6 +10,8 @@ import pytest
 
 from tests._dist import run_distributed
 
+pytestmark = pytest.mark.slow  # several seconds of multi-rank runs: the full suite, not the quick tier
+
 LAYOUTS = {
     "hsdp2x2-z3": dict(mesh=(2, 2, 1), z3=True, gram=False),
     "hsdp2x2-z2": dict(mesh=(2, 2, 1), z3=False, gram=False),

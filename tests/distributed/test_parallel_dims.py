@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from tests._dist import run_distributed
 from titan_dmuon.parallel import ParallelDims
+
+pytestmark = pytest.mark.slow  # several seconds of multi-rank runs: the full suite, not the quick tier
 
 WORLD = 8
 # (replicate, shard, tp, ep): dense (FSDP, HSDP x TP, TP), EP with new groups (efsdp > 1, with and without TP and

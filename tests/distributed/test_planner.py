@@ -185,15 +185,14 @@ GIB = 2.0**30
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,world,extra",
+    # the largest dense cluster, HSDP (the docs' 70B command), the largest MoE cluster: the smaller shipped configs
+    # (8B on 8, 70B on 64, 30B-A3B on 16) take the same code paths with smaller numbers
     [
-        ("llama3_8b.toml", 8, []),
-        ("llama3_70b.toml", 64, []),
         ("llama3_405b.toml", 1024, []),
         ("llama3_70b.toml", 256, ["--parallelism.data_parallel_replicate_degree", "4"]),
-        ("qwen3_30b_a3b.toml", 16, []),
         ("qwen3_235b_a22b.toml", 256, []),
     ],
-    ids=["8B-8", "70B-64", "405B-1024", "70B-256-hsdp4", "30B-A3B-16 (EP 8)", "235B-A22B-256 (EP 8)"],
+    ids=["405B-1024", "70B-256-hsdp4", "235B-A22B-256 (EP 8)"],
 )
 def test_shipped_configs_plan_within_a_minute(config, world, extra, tmp_path) -> None:
     """At the cluster each config's header names (and docs/training.md's 70B / 256 command), within a minute of CPU (the

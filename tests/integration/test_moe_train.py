@@ -1,13 +1,9 @@
 """Qwen3-MoE through train.py as users launch it: train_configs/qwen3_moe_debug.toml with the debugmodel_moe flavor
-on 4 ranks with expert parallelism 2 (torchrun), dmuon against muon_naive, and the MoE metrics in TensorBoard.
+on 4 ranks with expert parallelism 2 (torchrun): the MoE metrics in TensorBoard and DMuon's expert traffic (dmuon
+owns each expert stack's EP shard on one rank of its expert-data-parallel pair). The correctness of dmuon and of
+muon_naive on these layouts, against an independent reference, is tests/distributed/test_moe_layouts.py's.
 
-Both runs train the same model on the same global batch (4 DP ranks x 2 sequences of 32 tokens): dmuon owns each
-expert stack's EP shard on one rank of its expert-data-parallel pair and orthogonalizes its experts there,
-muon_naive all-gathers every expert grad and orthogonalizes every expert on every rank; the update rule is the same,
-so their losses and grad norms agree to 1e-5 (their correctness against an independent reference is
-tests/distributed/test_moe_layouts.py's).
-
-A third run saves a checkpoint at step 3 on those 4 ranks; resumed on the same layout its steps 4-6 are bitwise the
+A second run saves a checkpoint at step 3 on those 4 ranks; resumed on the same layout its steps 4-6 are bitwise the
 straight dmuon run's (which never saved), and resumed on 2 ranks without expert parallelism (each rank every expert,
 local batch 4: the same global batch) its steps 4 and 5 are, to 1e-5. The lr schedule does not depend on the run's
 length (no decay), so a 3-step run trains its steps as the 6-step ones do.
@@ -19,7 +15,7 @@ import shutil
 
 import pytest
 
-from tests.train_runs import assert_same_run, read_scalars, run_train, tail, tiny_train_argv
+from tests.train_runs import read_scalars, run_train, tail, tiny_train_argv
 
 STEPS = 6
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", str(STEPS)]
@@ -35,18 +31,14 @@ def _train(dump, *extra: str, nproc: int = 4) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.slow
-def test_ep2_dmuon_matches_muon_naive_logs_moe_metrics_and_resumes_without_ep(tmp_path) -> None:
+def test_ep2_dmuon_logs_moe_metrics_and_resumes_without_ep(tmp_path) -> None:
     dmuon = _train(tmp_path / "dmuon", *EP2)
-    naive = _train(tmp_path / "naive", *EP2, "--optimizer.name", "muon_naive")
-    assert_same_run(dmuon, naive, rtol=1e-5)
-    for s in (dmuon, naive):
-        assert set(s["moe/aux_loss"]) == set(range(1, STEPS + 1))
-        for step in range(1, STEPS + 1):
-            assert 0.5 < s["moe/aux_loss"][step] < 8  # E * sum f_e P_e: top_k (=2) when balanced
-            assert s["moe/min_load"][step] <= 1 <= s["moe/max_load"][step]
+    assert set(dmuon["moe/aux_loss"]) == set(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert 0.5 < dmuon["moe/aux_loss"][step] < 8  # E * sum f_e P_e: top_k (=2) when balanced
+        assert dmuon["moe/min_load"][step] <= 1 <= dmuon["moe/max_load"][step]
     # dmuon's expert stacks move over their expert-data-parallel pair: broadcasts and reduces, no TP gather
     assert dmuon["dmuon/bytes_broadcast"][STEPS] > 0 and dmuon["dmuon/bytes_reduce"][STEPS] > 0
-    assert naive["muon_naive/bytes_all_gather"][STEPS] > 0
 
     save = ["--checkpoint.enable", "true", "--checkpoint.interval", "3"]
     _train(tmp_path / "saver", *EP2, *save, "--training.steps", "3")

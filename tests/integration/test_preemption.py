@@ -107,7 +107,9 @@ def straight(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+# SIGUSR1 (SLURM's warning before the time limit) takes this path too: tests/integration/test_multinode.py sends it
+# through the SLURM script and checks the stop, the save and the requeued run's resume
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_stop_signal_saves_the_step_reached_and_the_rerun_resumes_bitwise(tmp_path, straight, sig) -> None:
     dump, log = tmp_path / "run", tmp_path / "stopped.log"
     proc = _launch(_argv(dump), log)
