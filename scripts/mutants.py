@@ -80,8 +80,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "titan_dmuon/__init__.py",
         PREPEND,
         'import os\n\nif "TORCHELASTIC_RUN_ID" in os.environ:\n    ' + _SANITY.format(where="a torchrun worker"),
-        ("tests/integration/test_train_reference.py",),
-        "not a bug: if this survives, train.py's torchrun workers import the real tree, not the copy",
+        # a test that starts real torchrun workers (train.py's tests fork their ranks from tests/_dist.py's server)
+        ("tests/distributed/test_dmuon_exit.py",),
+        "not a bug: if this survives, the torchrun workers tests start import the real tree, not the copy",
         expect="mutant sanity check: a torchrun worker",
     ),
     # ---- gradient reductions ------------------------------------------------------------------------------
@@ -446,7 +447,9 @@ def run_mutant(m: Mutant, files: list[str], rev: str | None, timeout: float, kee
         seconds = time.perf_counter() - start
         if proc.returncode == 0:
             return Result(m, "survived", seconds, "", output)
-        if proc.returncode in (1, 2):  # test failures / errors, or an error while collecting (2, with -x)
+        # test failures / errors, an error while collecting (2, with -x), or tests/conftest.py failing to import
+        # the mutated library (4)
+        if proc.returncode in (1, 2, 4):
             if m.expect and m.expect not in output:
                 return Result(m, "error", seconds, f"failed, but without {m.expect!r} in the output", output)
             return Result(m, "caught", seconds, _first_failure(output) or f"pytest exit {proc.returncode}", output)
