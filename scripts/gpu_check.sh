@@ -174,11 +174,11 @@ check(
     lambda: sig_has(attr("torch.distributed", "_coalescing_manager"), "async_ops"),
 )
 check(
-    "tensor._utils._compute_local_shape_and_global_offset (parallel/materialize.py)",
-    lambda: attr("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset") and None,
+    "tensor._utils.compute_local_shape_and_global_offset (components/checkpoint/hf_io.py)",
+    lambda: attr("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset") and None,
 )
 check(
-    "tensor.placement_types._StridedShard(split_factor=) (parallel/materialize.py)",
+    "tensor.placement_types._StridedShard(split_factor=) (components/initialization.py, checkpoint/hf_io.py)",
     # built from C++ on some versions (no Python signature to inspect): construct one instead
     lambda: attr("torch.distributed.tensor.placement_types", "_StridedShard")(0, split_factor=2) and None,
 )
