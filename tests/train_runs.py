@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = "train_configs/debug_model.toml"
-TRAIN_STEPS = 30  # the steps of a `train` run
+TRAIN_STEPS = 20  # the steps of a `train` run
 
 
 def tiny_train_argv(
@@ -102,10 +102,13 @@ def losses(scalars) -> list[float]:
 
 
 def assert_loss_falls(scalars) -> None:
+    """The run trains: the mean of its last 3 losses is 10% below that of its first 3 (the tinymodel's 20 steps
+    take it from 6.0 to 5.1, a ratio of 0.85; a run whose updates do nothing or go astray stays near 1 or climbs).
+    The layouts' exact agreement is `assert_same_run`'s to check."""
     values = losses(scalars)
     first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
     assert all(math.isfinite(v) for v in values)
-    assert last < 0.85 * first, f"loss did not fall: first 3 {values[:3]}, last 3 {values[-3:]}"
+    assert last < 0.9 * first, f"loss did not fall: first 3 {values[:3]}, last 3 {values[-3:]}"
 
 
 def assert_same_run(scalars, ref, rtol: float = 1e-4) -> None:
