@@ -13,7 +13,6 @@ reduce and publish cross nodes. `parallelism.data_parallel_replicate_degree = "n
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 from collections.abc import Sequence
@@ -60,46 +59,20 @@ def node_names(places: Sequence[RankPlace]) -> list[str]:
     return [p.host if len(agents_per_host[p.host]) == 1 else f"{p.host}#{p.node}" for p in places]
 
 
-def mesh_groups(dims: ParallelDims, axis: str) -> list[list[int]]:
-    """The global ranks of every group along one mesh axis ("replicate", "shard", "tp", and under expert
-    parallelism "ep" and "efsdp", the shard ranks that hold the same experts), as build_mesh lays them out
-    (row-major over (replicate, efsdp, ep, tp): the same ranks as (replicate, shard, tp), shard = efsdp x ep),
-    in order of their first rank."""
-    sizes = {"replicate": dims.dp_replicate, "efsdp": dims.efsdp, "ep": dims.ep, "tp": dims.tp}
-    order = ("replicate", "efsdp", "ep", "tp")
-    varying = ("efsdp", "ep") if axis == "shard" else (axis,)
-    fixed = [a for a in order if a not in varying]
-
-    def rank(c: dict[str, int]) -> int:
-        r = 0
-        for a in order:
-            r = r * sizes[a] + c[a]
-        return r
-
-    groups = []
-    for f in itertools.product(*(range(sizes[a]) for a in fixed)):
-        coords = [
-            dict(zip(fixed, f, strict=True)) | dict(zip(varying, v, strict=True))
-            for v in itertools.product(*(range(sizes[a]) for a in varying))
-        ]
-        groups.append([rank(c) for c in coords])
-    return sorted(groups)
-
-
 def check_node_layout(dims: ParallelDims, places: Sequence[RankPlace]) -> None:
     """Raise ConfigError unless each shard and TP group lies inside one node and each replicate group has one rank
     on each of distinct nodes (what replicate = "nodes" promises)."""
     names = node_names(places)
     key = 'parallelism.data_parallel_replicate_degree = "nodes"'
     for axis in ("shard", "tp"):
-        for group in mesh_groups(dims, axis):
+        for group in dims.groups(axis):
             hosts = sorted({names[r] for r in group})
             if len(hosts) > 1:
                 raise ConfigError(
                     f"{key}: {axis} group of ranks {_ranks(group)} spans nodes {', '.join(hosts)}; the launcher must "
                     "number each node's ranks contiguously (torchrun does: one agent per node)"
                 )
-    for group in mesh_groups(dims, "replicate"):
+    for group in dims.groups("replicate"):
         hosts = [names[r] for r in group]
         if len(set(hosts)) < len(hosts):
             raise ConfigError(f"{key}: replicate group of ranks {_ranks(group)} has two ranks on one node ({hosts})")
@@ -119,7 +92,7 @@ def describe_layout(dims: ParallelDims, hosts: Sequence[str], max_items: int = 3
         "  nodes: " + _first([f"{h} = ranks {_ranks(r)}" for h, r in nodes.items()], max_items),
     ]
     for axis in ("shard", "replicate", "tp", *(("ep", "efsdp") if dims.ep_enabled else ())):
-        groups = mesh_groups(dims, axis)
+        groups = dims.groups(axis)
         if len(groups[0]) == 1:
             continue
         spans = sorted({len({hosts[r] for r in g}) for g in groups})

@@ -15,7 +15,7 @@ from titan_dmuon.config import ConfigError, JobConfig, validate_config
 from titan_dmuon.parallel import ParallelDims
 from titan_dmuon.parallel.failures import CommFailureError, comm_failure_kind, comm_failures, describe_comm_failure
 from titan_dmuon.parallel.heartbeat import Heartbeat
-from titan_dmuon.parallel.layout import RankPlace, check_node_layout, describe_layout, mesh_groups, node_names
+from titan_dmuon.parallel.layout import RankPlace, check_node_layout, describe_layout, node_names
 from titan_dmuon.parallel.runtime import set_collective_timeout
 
 
@@ -47,9 +47,9 @@ def test_replicate_nodes_is_one_replica_per_node() -> None:
 
 def test_mesh_groups_are_row_major() -> None:
     d = ParallelDims(2, 2, 2, 8)
-    assert mesh_groups(d, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert mesh_groups(d, "shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert mesh_groups(d, "replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.groups("shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.groups("replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_torchrun_numbering_puts_shard_groups_inside_nodes() -> None:
