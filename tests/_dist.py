@@ -2,7 +2,10 @@
 
 Each rank is its own process, as under torchrun; no mocked collectives. The ranks are forked from one spawned
 server that has imported torch (`_ForkServer`: importing torch is most of a small test's time), so every call
-gets fresh processes and its own process group. The target must be a module-level function (importable by the
+gets fresh processes and its own process group. The server freezes what its imports made (`gc.freeze`): a rank's
+collections, and the trainer's teardown scan of live objects, never walk those again (the scan's effect is checked
+where it matters, in processes that end through interpreter teardown: test_process_group_teardown, test_dmuon_exit
+and the launcher tests; a forked rank ends in os._exit). The target must be a module-level function (importable by the
 children).
 
 `TITAN_DMUON_TEST_BACKEND=nccl` runs the same ranks on NCCL, rank r on `cuda:r` (NCCL cannot put two ranks on
@@ -16,6 +19,7 @@ import atexit
 import contextlib
 import faulthandler
 import functools
+import gc
 import logging
 import os
 import pickle
@@ -200,11 +204,15 @@ def _fork_server(conn) -> None:
     import titan_dmuon.dmuon  # noqa: F401
     import titan_dmuon.trainer  # noqa: F401
 
+    # What the imports made is never garbage: out of the collector's sight (gc.freeze), no rank's collections walk
+    # it again or write to its pages (which a fork would otherwise copy, rank by rank).
+    gc.freeze()
     conn.send_bytes(b"ready")
     while True:
         try:
             kind, world_size, port, outdir, job = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
+            gc.unfreeze()  # this process's own teardown frees them as usual (nanobind counts what outlives it)
             return
         target = _rank_process if kind == "fn" else _script_process
         pids = []
