@@ -19,18 +19,24 @@ from titan_dmuon.parallel import ParallelDims
 pytestmark = pytest.mark.slow  # several seconds of multi-rank runs: the full suite, not the quick tier
 
 WORLD = 8
-# (replicate, shard, tp, ep): dense (FSDP, HSDP x TP, TP), EP with new groups (efsdp > 1, with and without TP and
-# HSDP) and EP whose groups are the world's (efsdp = 1, with and without TP)
+# (pp, replicate, shard, tp, ep): dense (FSDP, HSDP x TP, TP), EP with new groups (efsdp > 1, with and without TP
+# and HSDP) and EP whose groups are the world's (efsdp = 1, with and without TP); and each kind under a pipeline
 LAYOUTS = [
-    (1, 8, 1, 1),
-    (2, 2, 2, 1),
-    (1, 2, 4, 1),
-    (1, 8, 1, 2),
-    (2, 4, 1, 2),
-    (1, 4, 2, 2),
-    (1, 8, 1, 8),
-    (2, 4, 1, 4),
-    (2, 2, 2, 2),
+    (1, 1, 8, 1, 1),
+    (1, 2, 2, 2, 1),
+    (1, 1, 2, 4, 1),
+    (1, 1, 8, 1, 2),
+    (1, 2, 4, 1, 2),
+    (1, 1, 4, 2, 2),
+    (1, 1, 8, 1, 8),
+    (1, 2, 4, 1, 4),
+    (1, 2, 2, 2, 2),
+    (2, 1, 2, 2, 1),
+    (4, 1, 2, 1, 1),
+    (2, 1, 4, 1, 2),
+    (2, 2, 2, 1, 2),
+    (2, 1, 2, 2, 2),
+    (8, 1, 1, 1, 1),
 ]
 
 
@@ -46,8 +52,8 @@ def _layout_job(rank: int, world: int) -> list[str]:
             problems.append(f"rank {rank} {layout}: {what}")
 
     for layout in LAYOUTS:
-        R, S, T, E = layout
-        dims = ParallelDims(dp_replicate=R, dp_shard=S, tp=T, world_size=world, ep=E)
+        P, R, S, T, E = layout
+        dims = ParallelDims(dp_replicate=R, dp_shard=S, tp=T, world_size=world, ep=E, pp=P)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             world_mesh = dims.build_mesh("cpu")
@@ -63,7 +69,12 @@ def _layout_job(rank: int, world: int) -> list[str]:
             expect(mesh.get_local_rank() == c[axis], f"{axis} local rank")
             expect(_ranks(mesh) == groups[axis], f"{axis} group {_ranks(mesh)} != {groups[axis]}")
         expect(m.fsdp.mesh_dim_names == (("replicate", "shard") if R > 1 else ("shard",)), "fsdp dims")
-        expect(dims.rank_of(c["replicate"], c["shard"], c["tp"]) == rank, "rank_of")
+        expect(m.pp.get_local_rank() == c["pp"] and _ranks(m.pp) == groups["pp"], f"pp group {_ranks(m.pp)}")
+        expect(
+            sorted(world_mesh.mesh.flatten().tolist()) == [g for g in range(world) if g // (world // P) == c["pp"]],
+            "the world mesh is this stage's ranks",
+        )
+        expect(dims.rank_of(c["replicate"], c["shard"], c["tp"], c["pp"]) == rank, "rank_of")
         expect(dims.dp_coordinates(world_mesh) == (c["replicate"] * S + c["shard"], R * S), "dp_coordinates")
         expect(c["shard"] == c["efsdp"] * E + c["ep"], "shard = efsdp x ep")
         expect(c["expert_shard"] == c["efsdp"] * T + c["tp"], "expert_shard = efsdp x tp")
@@ -71,27 +82,30 @@ def _layout_job(rank: int, world: int) -> list[str]:
         if E == 1:
             expect(m.ep is None and m.experts is None and m.expert_fsdp is None, "expert meshes without EP")
             continue
-        expect(tuple(m.experts.get_coordinate()) == (c["replicate"], c["expert_shard"], c["ep"]), "expert coordinate")
+        expect(
+            tuple(m.experts.get_coordinate()) == (c["pp"], c["replicate"], c["expert_shard"], c["ep"]),
+            "expert coordinate",
+        )
         expect(m.ep.get_local_rank() == c["ep"] and _ranks(m.ep) == groups["ep"], "ep mesh")
         expect(m.expert_dp.get_local_rank() == c["expert_shard"], "expert_dp local rank")
         # the groups' members, read off the world mesh's own coordinates: an ep group varies ep only, an expert-DP
         # group keeps (replicate, ep) and varies the rest
         everyone = [None] * world
-        dist.all_gather_object(everyone, tuple(world_mesh.get_coordinate()))
-        efsdp_ep_tp = [(r, s // E, s % E, t) for r, s, t in everyone]
+        dist.all_gather_object(everyone, (c["pp"], *world_mesh.get_coordinate()))
+        efsdp_ep_tp = [(p, r, s // E, s % E, t) for p, r, s, t in everyone]
         mine = efsdp_ep_tp[rank]
         expect(
-            [g for g in range(world) if efsdp_ep_tp[g][:2] + efsdp_ep_tp[g][3:] == mine[:2] + mine[3:]] == _ranks(m.ep),
-            "ep group = same (replicate, efsdp, tp)",
+            [g for g in range(world) if efsdp_ep_tp[g][:3] + efsdp_ep_tp[g][4:] == mine[:3] + mine[4:]] == _ranks(m.ep),
+            "ep group = same (pp, replicate, efsdp, tp)",
         )
         expect(
-            [g for g in range(world) if (efsdp_ep_tp[g][0], efsdp_ep_tp[g][2]) == (mine[0], mine[2])]
+            [g for g in range(world) if (efsdp_ep_tp[g][:2], efsdp_ep_tp[g][3]) == (mine[:2], mine[3])]
             == _ranks(m.expert_dp),
-            "expert_dp group = same (replicate, ep)",
+            "expert_dp group = same (pp, replicate, ep)",
         )
         expect(_ranks(m.expert_dp) == groups["expert_shard"], f"expert_dp group {_ranks(m.expert_dp)}")
         expect(m.expert_dp.size() == dims.expert_shard_size, "expert_dp size")
-        expect(dims.expert_rank_of(c["replicate"], c["expert_shard"], c["ep"]) == rank, "expert_rank_of")
+        expect(dims.expert_rank_of(c["replicate"], c["expert_shard"], c["ep"], c["pp"]) == rank, "expert_rank_of")
         expect(m.expert_fsdp.ndim == (2 if R > 1 else 1), "expert_fsdp dims")
         expect(m.experts.get_group("replicate") is m.replicate.get_group(), "replicate group reused")
         if dims.efsdp == 1:  # the same rank sets: the world's groups, not new ones

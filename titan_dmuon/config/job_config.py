@@ -324,6 +324,18 @@ class Training:
         )
 
 
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+"""torch.distributed.pipelining's schedules, by the names its get_schedule_class takes."""
+
+
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int | Literal["nodes"] = 1
@@ -351,6 +363,25 @@ class Parallelism:
     and computes the loss on each TP rank instead. No effect without TP.
     """
 
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages' rank groups (the outermost mesh axis: pp x replicate x shard x tp = the world size); 1 = no
+    pipeline. Each pp rank holds one stage of the model (two or more under a looped or V schedule) with its own
+    TP, DMuon owners and FSDP2 shards over the replicate x shard x tp ranks of that stage (docs/training.md,
+    "Pipeline parallelism")."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """The schedule of torch.distributed.pipelining: GPipe, 1F1B (one stage per rank), Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble (several stages per rank, looped), ZBVZeroBubble, DualPipeV (two stages per rank, in a V:
+    the first and the last stage on pp rank 0)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Rows per microbatch. A step's local_batch_size x gradient_accumulation_steps rows are its microbatches (the
+    accumulation runs as more microbatches of one schedule step), so their number is that over this size."""
+    pipeline_parallel_layers_per_stage: int = 0
+    """Transformer blocks per stage (the embedding and the head count as one block each); 0 = one stage per rank
+    (two per rank under a multi-stage schedule), the blocks, the embedding and the head balanced over them."""
+    module_fqns_per_model_part: str = ""
+    """An explicit split instead: the modules of each stage in order, stages separated by ';' and modules by ','
+    (e.g. "tok_embeddings,layers.0,layers.1;layers.2,layers.3,norm,output"); each block exactly once."""
+
     def validate(self) -> None:
         """The degrees alone; whether they fit the world size is `validate_parallelism`'s (at launch)."""
         _at_least(
@@ -358,6 +389,14 @@ class Parallelism:
             1,
             tensor_parallel_degree=self.tensor_parallel_degree,
             expert_parallel_degree=self.expert_parallel_degree,
+            pipeline_parallel_degree=self.pipeline_parallel_degree,
+            pipeline_parallel_microbatch_size=self.pipeline_parallel_microbatch_size,
+        )
+        _at_least("parallelism", 0, pipeline_parallel_layers_per_stage=self.pipeline_parallel_layers_per_stage)
+        require(
+            self.pipeline_parallel_schedule in PIPELINE_SCHEDULES,
+            f"parallelism.pipeline_parallel_schedule = {self.pipeline_parallel_schedule!r} is not a schedule: one of "
+            + ", ".join(PIPELINE_SCHEDULES),
         )
         replicate = self.data_parallel_replicate_degree
         require(

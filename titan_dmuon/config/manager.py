@@ -284,33 +284,47 @@ def validate_config(cfg: JobConfig) -> JobConfig:
 
 
 def validate_parallelism(cfg: JobConfig, world_size: int, ranks_per_node: int | None = None) -> tuple[int, int, int]:
-    """(replicate, shard, tp) degrees for this world size, resolving shard = -1 to the remaining ranks and replicate
-    = "nodes" to the number of nodes (world_size / ranks_per_node, each node one whole replica)."""
+    """(replicate, shard, tp) degrees of each pipeline stage for this world size (the whole world without a pipeline),
+    resolving shard = -1 to the remaining ranks and replicate = "nodes" to the number of nodes (a stage's ranks /
+    ranks_per_node, each node one whole replica)."""
     p = cfg.parallelism
-    dp_replicate, dp_shard, tp = (
+    dp_replicate, dp_shard, tp, pp = (
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
     )
+    if world_size % pp:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree ({pp}) does not divide the world size {world_size}: each pipeline "
+            "stage takes world_size / pipeline_parallel_degree ranks"
+        )
+    stage_size = world_size // pp  # the replicate x shard x tp ranks of one stage
     if dp_replicate == "nodes":
-        dp_replicate = _replicas_per_node(world_size, ranks_per_node, dp_shard, tp)
+        dp_replicate = _replicas_per_node(stage_size, ranks_per_node, dp_shard, tp)
     if dp_shard == -1:
-        rest, remainder = divmod(world_size, dp_replicate * tp)
+        rest, remainder = divmod(stage_size, dp_replicate * tp)
         if remainder or rest == 0:
             raise ConfigError(
-                f"parallelism.data_parallel_shard_degree = -1 cannot be resolved: world size {world_size} is not "
-                f"divisible by data_parallel_replicate_degree ({dp_replicate}) x tensor_parallel_degree ({tp}) "
+                f"parallelism.data_parallel_shard_degree = -1 cannot be resolved: world size {world_size} / "
+                f"pipeline_parallel_degree ({pp}) = {stage_size} is not divisible by data_parallel_replicate_degree "
+                f"({dp_replicate}) x tensor_parallel_degree ({tp}) = {dp_replicate * tp}"
+                if pp > 1
+                else f"parallelism.data_parallel_shard_degree = -1 cannot be resolved: world size {world_size} is "
+                f"not divisible by data_parallel_replicate_degree ({dp_replicate}) x tensor_parallel_degree ({tp}) "
                 f"= {dp_replicate * tp}"
             )
         dp_shard = rest
-    problem = parallel_degrees_problem(dp_replicate, dp_shard, tp, world_size, p.expert_parallel_degree)
+    problem = parallel_degrees_problem(dp_replicate, dp_shard, tp, world_size, p.expert_parallel_degree, pp)
     if problem is not None:
         raise ConfigError(problem)
     return dp_replicate, dp_shard, tp
 
 
-def parallel_degrees_problem(replicate: int, shard: int, tp: int, world_size: int, ep: int = 1) -> str | None:
-    """The one rule resolved parallel degrees obey: each is >= 1, replicate x shard x tp is the world size, and the
+def parallel_degrees_problem(
+    replicate: int, shard: int, tp: int, world_size: int, ep: int = 1, pp: int = 1
+) -> str | None:
+    """The one rule resolved parallel degrees obey: each is >= 1, pp x replicate x shard x tp is the world size, and the
     expert-parallel degree divides the shard degree (expert parallelism borrows its ranks from the shard axis).
     None when they do, else what is wrong, in the config's keys. `validate_parallelism` (at launch) and ParallelDims
     (titan_dmuon/parallel/parallel_dims.py, on every construction) both ask it, so the rule is stated here only;
@@ -320,14 +334,16 @@ def parallel_degrees_problem(replicate: int, shard: int, tp: int, world_size: in
         "data_parallel_shard_degree": shard,
         "tensor_parallel_degree": tp,
         "expert_parallel_degree": ep,
+        "pipeline_parallel_degree": pp,
     }
     for key, value in degrees.items():
         if value < 1:
             return f"parallelism.{key} must be >= 1, got {value}"
-    product = replicate * shard * tp
+    product = pp * replicate * shard * tp
     if product != world_size:
+        what = f"pipeline_parallel_degree ({pp}) x " if pp > 1 else ""
         return (
-            f"parallelism degrees do not match the world size: data_parallel_replicate_degree ({replicate}) x "
+            f"parallelism degrees do not match the world size: {what}data_parallel_replicate_degree ({replicate}) x "
             f"data_parallel_shard_degree ({shard}) x tensor_parallel_degree ({tp}) = {product}, "
             f"but the world size is {world_size}"
         )

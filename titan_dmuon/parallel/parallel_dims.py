@@ -1,24 +1,28 @@
 """Parallel degrees of a run, where every rank sits, and the DeviceMeshes every parallelism uses.
 
-The ranks are laid out row-major over ("replicate", "shard", "tp"), outermost first, even when a degree is 1:
-TP ranks are adjacent (one node), then shard ranks, then replicas. The world mesh always has exactly these three
-named dims, so no code path depends on which degrees happen to be > 1 (a size-1 dim costs one trivial process
-group). A pipeline axis would come outermost, ("pp", "replicate", "shard", "tp"), each stage one such mesh; there
-is none yet.
+The ranks are laid out row-major over ("pp", "replicate", "shard", "tp"), outermost first, even when a degree is 1:
+TP ranks are adjacent (one node), then shard ranks, then replicas, then pipeline stages. The root mesh always has
+exactly these four named dims, so no code path depends on which degrees happen to be > 1 (a size-1 dim costs one
+trivial process group). Each pipeline stage's ranks form one (replicate, shard, tp) mesh, `meshes.world`: every
+dense parallelism (TP, DMuon, FSDP2, EP) lives inside it, and only the pipeline's point-to-point sends cross it
+(`meshes.pp`, the ranks with the same (replicate, shard, tp) coordinates in every stage).
 
 Expert parallelism (ep > 1) splits the shard coordinate into efsdp (outer, the shard ranks that hold the same
 experts) x ep (inner, the ranks the experts are split over), so the dense params see the same shard axis as
 without EP, and the EP groups are ep consecutive shard ranks:
 
-    rank = ((replicate * efsdp + efsdp_index) * ep + ep_index) * tp + tp_index,    shard = efsdp_index * ep + ep_index
+    rank = pp_index * stage_size + ((replicate * efsdp + efsdp_index) * ep + ep_index) * tp + tp_index,
+    shard = efsdp_index * ep + ep_index,    stage_size = replicate * shard * tp
 
-The expert stacks use a second mesh over the same ranks, ("replicate", "expert_shard", "ep"), expert_shard =
+The expert stacks use a second mesh over the same ranks, ("pp", "replicate", "expert_shard", "ep"), expert_shard =
 efsdp_index * tp + tp_index: the ranks that hold the same experts and route different tokens through them (under
 TP each rank routes its own sequence chunk). Its process groups are the world mesh's where the rank sets are the
 same (replicate always; ep = shard when efsdp = 1; expert_shard = tp when efsdp = 1); only the others are new.
 
     dims = ParallelDims.from_config(cfg, world_size)
-    mesh = dims.build_mesh("cpu")    -> the world mesh; dims.meshes keeps it and every other mesh of the run
+    mesh = dims.build_mesh("cpu")    -> this stage's (replicate, shard, tp) mesh ("world": the whole world without a
+                                        pipeline); dims.meshes keeps it and every other mesh of the run
+    dims.meshes.pp                   -> the pipeline's point-to-point group (PipelineStage)
     dims.meshes.tp                   -> apply_tp
     dims.meshes.shard, .replicate    -> dmuon.dedicate_params(..., shard, replicate_mesh=replicate) (HSDP)
     dims.meshes.fsdp                 -> fully_shard: (replicate, shard) under HSDP, else shard
@@ -47,10 +51,13 @@ from titan_dmuon.config import JobConfig, validate_parallelism
 from titan_dmuon.config.manager import parallel_degrees_problem
 
 MESH_DIM_NAMES = ("replicate", "shard", "tp")
+"""The dims of a stage's mesh (`meshes.world`)."""
+ROOT_MESH_DIM_NAMES = ("pp", *MESH_DIM_NAMES)
 EXPERT_MESH_DIM_NAMES = ("replicate", "expert_shard", "ep")
 # The axes `coordinates` and `groups` name, each with the axes of its mesh: a group varies one axis and fixes the
-# others of its mesh. "efsdp" and "ep" split "shard" (the same ranks as the world mesh, shard = efsdp x ep).
-_AXES_OF_MESH = (MESH_DIM_NAMES, EXPERT_MESH_DIM_NAMES, ("replicate", "efsdp", "ep", "tp"))
+# others of its mesh. "efsdp" and "ep" split "shard" (the same ranks as the world mesh, shard = efsdp x ep). Every
+# mesh is per pipeline stage ("pp" fixed), but for the pp axis itself.
+_AXES_OF_MESH = (ROOT_MESH_DIM_NAMES, ("pp", *EXPERT_MESH_DIM_NAMES), ("pp", "replicate", "efsdp", "ep", "tp"))
 
 
 @dataclass(frozen=True)
@@ -59,14 +66,19 @@ class Meshes:
     under expert parallelism the expert ones are slices of `experts` (None without EP)."""
 
     world: DeviceMesh
-    """(replicate, shard, tp): the root of every dense slice (DMuon reads a rank's TP coordinate off it)."""
+    """(replicate, shard, tp): this pipeline stage's ranks (the whole world without a pipeline)."""
     replicate: DeviceMesh
     shard: DeviceMesh
     tp: DeviceMesh
     fsdp: DeviceMesh
     """FSDP2's mesh: (replicate, shard) under HSDP, else `shard`."""
+    root: DeviceMesh | None = None
+    """(pp, replicate, shard, tp): the root every dense slice is cut from (DMuon reads a rank's slice coordinate, its
+    non-DP coordinates, off it)."""
+    pp: DeviceMesh | None = None
+    """The 1D pipeline mesh: the ranks at this rank's (replicate, shard, tp) coordinates in every stage."""
     experts: DeviceMesh | None = None
-    """(replicate, expert_shard, ep) over the same ranks: the root of the expert slices, so FSDP2 can join the
+    """(pp, replicate, expert_shard, ep) over the same ranks: the root of the expert slices, so FSDP2 can join the
     expert stacks' EP placement with their expert-DP mesh (it requires one root)."""
     ep: DeviceMesh | None = None
     expert_dp: DeviceMesh | None = None
@@ -81,7 +93,7 @@ class Meshes:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of the mesh axes; replicate x shard x tp is the world size, ep divides shard. Its fields are the
+    """Degrees of the mesh axes; pp x replicate x shard x tp is the world size, ep divides shard. Its fields are the
     degrees only (immutable, compared, printed); `build_mesh` adds the record of meshes as a plain attribute, so
     `dataclasses.asdict` and `dataclasses.replace` never carry process groups."""
 
@@ -90,9 +102,10 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1  # expert parallelism, borrowed from dp_shard
+    pp: int = 1  # pipeline stages' rank groups (the outermost axis)
 
     def __post_init__(self) -> None:
-        problem = parallel_degrees_problem(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep)
+        problem = parallel_degrees_problem(self.dp_replicate, self.dp_shard, self.tp, self.world_size, self.ep, self.pp)
         if problem is not None:
             raise ValueError(f"{self!r}: {problem}")
 
@@ -101,13 +114,22 @@ class ParallelDims:
         """Resolve the configured degrees (shard = -1 takes the remaining ranks, replicate = "nodes" one replica per
         node of ranks_per_node ranks); raises ConfigError."""
         replicate, shard, tp = validate_parallelism(cfg, world_size, ranks_per_node)
-        ep = cfg.parallelism.expert_parallel_degree
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, ep=ep)
+        ep, pp = cfg.parallelism.expert_parallel_degree, cfg.parallelism.pipeline_parallel_degree
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, ep=ep, pp=pp)
 
     @property
     def dp_world_size(self) -> int:
         """Data-parallel ranks (replicate x shard): each sees different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage (replicate x shard x tp): the world size without a pipeline."""
+        return self.world_size // self.pp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def hsdp(self) -> bool:
@@ -119,8 +141,9 @@ class ParallelDims:
 
     @property
     def non_dp_size(self) -> int:
-        """Ranks that process the same tokens (TP): divides per-rank token counts for per-device throughput."""
-        return self.tp
+        """Ranks that process the same tokens (TP, and every stage of a pipeline): divides per-rank token counts for
+        per-device throughput."""
+        return self.tp * self.pp
 
     @property
     def ep_enabled(self) -> bool:
@@ -142,6 +165,7 @@ class ParallelDims:
     def axis_sizes(self) -> dict[str, int]:
         """The size of every named axis (those of `coordinates`)."""
         return {
+            "pp": self.pp,
             "replicate": self.dp_replicate,
             "shard": self.dp_shard,
             "tp": self.tp,
@@ -151,14 +175,16 @@ class ParallelDims:
         }
 
     def coordinates(self) -> dict[str, np.ndarray]:
-        """Every global rank's coordinate on each named axis ("replicate", "shard", "tp", and the expert axes
+        """Every global rank's coordinate on each named axis ("pp", "replicate", "shard", "tp", and the expert axes
         "efsdp", "ep", "expert_shard", which exist at ep = 1 too, with ep = 0 everywhere): axis name -> int64 array
         indexed by global rank, as the DeviceMeshes of `build_mesh` number them (the module docstring's formula)."""
-        g = np.arange(self.world_size, dtype=np.int64)
+        world = np.arange(self.world_size, dtype=np.int64)
+        g = world % self.stage_size  # the rank within its stage
         tp = g % self.tp
         shard = (g // self.tp) % self.dp_shard
         efsdp, ep = shard // self.ep, shard % self.ep
         return {
+            "pp": world // self.stage_size,
             "replicate": g // (self.tp * self.dp_shard),
             "shard": shard,
             "tp": tp,
@@ -167,14 +193,14 @@ class ParallelDims:
             "expert_shard": efsdp * self.tp + tp,
         }
 
-    def rank_of(self, replicate: int, shard: int, tp: int) -> int:
-        """The global rank at a (replicate, shard, tp) coordinate."""
-        return (replicate * self.dp_shard + shard) * self.tp + tp
+    def rank_of(self, replicate: int, shard: int, tp: int, pp: int = 0) -> int:
+        """The global rank at a (replicate, shard, tp) coordinate of pipeline stage group `pp`."""
+        return pp * self.stage_size + (replicate * self.dp_shard + shard) * self.tp + tp
 
-    def expert_rank_of(self, replicate: int, expert_shard: int, ep: int) -> int:
-        """The global rank at a coordinate of the expert axes (replicate, expert_shard, ep)."""
+    def expert_rank_of(self, replicate: int, expert_shard: int, ep: int, pp: int = 0) -> int:
+        """The global rank at a coordinate of the expert axes (replicate, expert_shard, ep) of stage group `pp`."""
         efsdp, tp = divmod(expert_shard, self.tp)
-        return self.rank_of(replicate, efsdp * self.ep + ep, tp)
+        return self.rank_of(replicate, efsdp * self.ep + ep, tp, pp)
 
     def groups(self, axis: str) -> list[list[int]]:
         """The global ranks of every group along `axis` (a name of `coordinates`): the ranks that share every other
@@ -193,20 +219,23 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Build every mesh of the run over the default process group (a collective: every rank calls it), keep
-        them in `meshes`, and return the world mesh (replicate, shard, tp). The only place meshes are built."""
-        world = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIM_NAMES
+        them in `meshes`, and return this stage's mesh (replicate, shard, tp). The only place meshes are built."""
+        root = init_device_mesh(
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=ROOT_MESH_DIM_NAMES
         )
-        replicate, shard, tp = world["replicate"], world["shard"], world["tp"]
+        world = root[MESH_DIM_NAMES]
+        replicate, shard, tp = root["replicate"], root["shard"], root["tp"]
         meshes = Meshes(
             world=world,
             replicate=replicate,
             shard=shard,
             tp=tp,
-            fsdp=world["replicate", "shard"] if self.hsdp else shard,
+            fsdp=root["replicate", "shard"] if self.hsdp else shard,
+            root=root,
+            pp=root["pp"],
         )
         if self.ep_enabled:
-            experts = self._build_expert_mesh(world)
+            experts = self._build_expert_mesh(root)
             expert_dp = experts["expert_shard"]
             meshes = dataclasses.replace(
                 meshes,
@@ -218,23 +247,27 @@ class ParallelDims:
         object.__setattr__(self, "_meshes", meshes)  # the dataclass is frozen: the record is set here only
         return world
 
-    def _build_expert_mesh(self, world: DeviceMesh) -> DeviceMesh:
-        """The (replicate, expert_shard, ep) mesh from one process group per dim: the world's where the rank sets
-        are the same, new ones (every rank takes part in creating each) otherwise."""
+    def _build_expert_mesh(self, root: DeviceMesh) -> DeviceMesh:
+        """The (pp, replicate, expert_shard, ep) mesh from one process group per dim: the root's where the rank sets
+        are the same, new ones (every rank takes part in creating each) otherwise. The pp dim (size 1 without a
+        pipeline) keeps the expert slices of two stages apart, as the root mesh does the dense ones."""
         reuse = self.efsdp == 1  # the shard axis is all ep, and the ranks holding the same experts are a TP group
-        ep_group = world.get_group("shard") if reuse else self._new_group("ep")
-        expert_shard_group = world.get_group("tp") if reuse else self._new_group("expert_shard")
+        ep_group = root.get_group("shard") if reuse else self._new_group("ep")
+        expert_shard_group = root.get_group("tp") if reuse else self._new_group("expert_shard")
         layout = torch.tensor(
             [
-                [[self.expert_rank_of(r, s, e) for e in range(self.ep)] for s in range(self.expert_shard_size)]
-                for r in range(self.dp_replicate)
+                [
+                    [[self.expert_rank_of(r, s, e, p) for e in range(self.ep)] for s in range(self.expert_shard_size)]
+                    for r in range(self.dp_replicate)
+                ]
+                for p in range(self.pp)
             ]
         )
         return DeviceMesh.from_group(
-            [world.get_group("replicate"), expert_shard_group, ep_group],
-            world.device_type,
+            [root.get_group("pp"), root.get_group("replicate"), expert_shard_group, ep_group],
+            root.device_type,
             mesh=layout,
-            mesh_dim_names=EXPERT_MESH_DIM_NAMES,
+            mesh_dim_names=("pp", *EXPERT_MESH_DIM_NAMES),
         )
 
     def _new_group(self, axis: str) -> dist.ProcessGroup:
@@ -284,7 +317,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         ep = f" (ep {self.ep} x efsdp {self.efsdp})" if self.ep_enabled else ""
-        return f"world {self.world_size} = replicate {self.dp_replicate} x shard {self.dp_shard}{ep} x tp {self.tp}"
+        pp = f"pp {self.pp} x " if self.pp_enabled else ""
+        return f"world {self.world_size} = {pp}replicate {self.dp_replicate} x shard {self.dp_shard}{ep} x tp {self.tp}"
 
 
 def _expert(mesh: DeviceMesh | None) -> DeviceMesh:

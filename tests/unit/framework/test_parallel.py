@@ -61,30 +61,37 @@ def test_one_rule_for_the_expert_degree() -> None:
         ParallelDims(dp_replicate=1, dp_shard=2, tp=2, world_size=4, ep=0)
 
 
-@pytest.mark.parametrize("R,S,T,E", [(1, 1, 1, 1), (2, 4, 2, 1), (1, 8, 2, 2), (2, 4, 2, 4), (4, 32, 8, 8)])
-def test_coordinates_need_no_process_group(R, S, T, E) -> None:
-    """Row-major over (replicate, shard, tp), shard = efsdp x ep (ep inner), expert_shard = efsdp x tp: rank_of and
-    expert_rank_of invert the coordinates, and each axis's groups split the world into groups of the axis's size
-    whose members differ on that axis only (tests/distributed/test_parallel_dims.py checks these against the
-    real meshes)."""
-    dims = ParallelDims(dp_replicate=R, dp_shard=S, tp=T, world_size=R * S * T, ep=E)
+@pytest.mark.parametrize(
+    "P,R,S,T,E", [(1, 1, 1, 1, 1), (1, 2, 4, 2, 1), (1, 1, 8, 2, 2), (2, 2, 4, 2, 4), (4, 4, 32, 8, 8), (4, 1, 1, 1, 1)]
+)
+def test_coordinates_need_no_process_group(P, R, S, T, E) -> None:
+    """Row-major over (pp, replicate, shard, tp), shard = efsdp x ep (ep inner), expert_shard = efsdp x tp: rank_of
+    and expert_rank_of invert the coordinates, each axis's groups split the world into groups of the axis's size
+    whose members differ on that axis only, and no group but the pp axis's crosses a pipeline stage
+    (tests/distributed/test_parallel_dims.py checks these against the real meshes)."""
+    dims = ParallelDims(dp_replicate=R, dp_shard=S, tp=T, world_size=P * R * S * T, ep=E, pp=P)
     c = {k: v.tolist() for k, v in dims.coordinates().items()}
     sizes = dims.axis_sizes()
     assert set(c) == set(sizes) and sizes["expert_shard"] == dims.expert_shard_size == S // E * T
+    assert dims.stage_size == R * S * T
     for g in range(dims.world_size):
-        assert dims.rank_of(c["replicate"][g], c["shard"][g], c["tp"][g]) == g
-        assert dims.expert_rank_of(c["replicate"][g], c["expert_shard"][g], c["ep"][g]) == g
+        assert c["pp"][g] == g // (R * S * T)
+        assert dims.rank_of(c["replicate"][g], c["shard"][g], c["tp"][g], c["pp"][g]) == g
+        assert dims.expert_rank_of(c["replicate"][g], c["expert_shard"][g], c["ep"][g], c["pp"][g]) == g
         assert c["shard"][g] == c["efsdp"][g] * E + c["ep"][g]
         assert c["expert_shard"][g] == c["efsdp"][g] * T + c["tp"][g]
     assert dims.groups("tp")[0] == list(range(T)) and dims.groups("ep")[0] == [e * T for e in range(E)]
+    assert dims.groups("pp")[0] == [p * R * S * T for p in range(P)]
     for axis, size in sizes.items():
         groups = dims.groups(axis)
         assert sorted(g for group in groups for g in group) == list(range(dims.world_size)), axis
         assert all(len(group) == size for group in groups), axis
         for group in groups:
             assert [c[axis][g] for g in group] == list(range(size)), axis
-    with pytest.raises(ValueError, match="unknown mesh axis 'pp'"):
-        dims.groups("pp")
+            if axis != "pp":
+                assert len({c["pp"][g] for g in group}) == 1, axis
+    with pytest.raises(ValueError, match="unknown mesh axis 'dp'"):
+        dims.groups("dp")
     with pytest.raises(RuntimeError, match="build_mesh"):
         _ = dims.meshes
 
