@@ -89,6 +89,14 @@ def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
             m.set_requires_gradient_sync(True, recurse=False)
 
 
+def reduce_grads(model: nn.Module) -> None:
+    """Reduce the grads that backwards under `no_sync` accumulated, now (to their owners; FSDP2's reduce-scatter is
+    the caller's): for a pipeline schedule, which runs every microbatch's backward under `no_sync` and, with a
+    zero-bubble schedule, computes the weight grads after the backward of the inputs, so no backward's end is the
+    point where a group's grads are complete. Every rank of the model's DP slices calls it at the same point."""
+    state_of(model, "reduce_grads").reduce_now()
+
+
 def comm_stats(model: nn.Module) -> dict[str, dict[str, float]]:
     """What DMuon moved on this rank in the last completed step: elements and bytes per collective kind
     (the byte ledger; see docs/dmuon.md, "Bytes per step")."""
@@ -137,6 +145,7 @@ __all__ = [
     "install_patch",
     "no_sync",
     "partition",
+    "reduce_grads",
     "replicate",
     "replicate_tp",
     "resolve_coefficients",

@@ -44,7 +44,7 @@ def _check_mesh(mesh: DeviceMesh, what: str, expected_name: str | None) -> None:
         )
 
 
-def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parameter]]:
+def _select(model: nn.Module, predicate: Predicate, allow_empty: bool = False) -> list[tuple[str, nn.Parameter]]:
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -70,8 +70,11 @@ def _select(model: nn.Module, predicate: Predicate) -> list[tuple[str, nn.Parame
         if not p.requires_grad:
             continue
         selected.append((name, p))
-    if not selected:
-        raise ValueError("dedicate_params: the predicate selected no 2D/3D parameter that requires grad")
+    if not selected and not allow_empty:
+        raise ValueError(
+            "dedicate_params: the predicate selected no 2D/3D parameter that requires grad (allow_empty=True for a "
+            "part of a model that has none, such as a pipeline stage)"
+        )
     on_meta = sorted({p.device.type == "meta" for _, p in selected})
     if on_meta == [False, True]:
         meta = next(name for name, p in selected if p.device.type == "meta")
@@ -95,6 +98,7 @@ def dedicate_params(
     reduce_dtype: torch.dtype = torch.float32,
     head_blocks: HeadBlocks | None = None,
     expert_mesh: DeviceMesh | None = None,
+    allow_empty: bool = False,
 ) -> dict[nn.Parameter, Owner]:
     """Give every selected matrix one owner (global LPT) and install the broadcast/reduce hooks.
 
@@ -123,6 +127,10 @@ def dedicate_params(
     On a model on the meta device it records the ownership and allocates nothing: then call
     `dmuon.init_dedicated_params(model, init_fn, device)` (after `fully_shard`) to allocate and fill each rank's
     share. On a materialized model each owner column copies its fp32 master from the live values.
+
+    `allow_empty=True` accepts a predicate that selects nothing: the model (a pipeline stage of embeddings, norms
+    and a head only) then has DMuon's state and no dedicated param, takes part in the collectives every rank runs
+    (set-up, `clip_grad_norm_`'s, the state dicts') and `dmuon.Muon` steps its params with AdamW.
     """
     if find_state(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model: call it once, for all params")
@@ -135,7 +143,7 @@ def dedicate_params(
         raise ValueError(f"tp_buffer_reuse must be False, True, 'gather', 'scatter' or 'all', got {tp_buffer_reuse!r}")
     if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
         raise ValueError(f"reduce_dtype must be a floating torch.dtype (e.g. torch.float32), got {reduce_dtype!r}")
-    selected = _select(model, predicate)
+    selected = _select(model, predicate, allow_empty)
     return _dedicate(
         model,
         selected,
@@ -230,7 +238,9 @@ def _dedicate(
         group.register_hooks()
         state.groups.append(group)
     attach_state(model, state)
-    state.streams = streams_for(state.groups[0].device)
+    state.device = next((p.device for p in model.parameters()), state.device)
+    if state.groups:
+        state.streams = streams_for(state.groups[0].device)
     # The global owner's value is authoritative: make its column peers agree before the first forward (a meta
     # model has no values yet; init_dedicated_params fills every column rank alike).
     for g in state.groups:
@@ -243,12 +253,16 @@ def _dedicate(
 
 
 def _layouts(selected, mesh, replicate_mesh) -> tuple[dict[str, _tp.TPLayout | None], int]:
-    """Each selected param's TP layout over the DP meshes `mesh` (shard) and `replicate_mesh`, and this rank's TP
-    coordinate: its TP-sharded params' rank, else the one the meshes' root gives."""
+    """Each selected param's TP layout over the DP meshes `mesh` (shard) and `replicate_mesh`, and the coordinate
+    that tells this rank's DP slice apart: the one the meshes' root gives (TP and pipeline-stage dims), else its
+    TP-sharded params' rank, else 0."""
     dp_names = _tp.dp_mesh_names(mesh, replicate_mesh)
     layouts = {name: _tp.tp_layout(name, p, dp_names) for name, p in selected}
     ranks = {lay.rank for lay in layouts.values() if lay is not None}
-    return layouts, next(iter(ranks)) if ranks else _tp.tp_coordinate(mesh, replicate_mesh, dp_names)
+    coordinate = _tp.tp_coordinate(mesh, replicate_mesh, dp_names)
+    if coordinate is not None:
+        return layouts, coordinate
+    return layouts, next(iter(ranks)) if ranks else 0
 
 
 def _check_coords(axes: DPAxes, what: str) -> None:

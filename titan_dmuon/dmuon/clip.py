@@ -35,12 +35,19 @@ def grads_sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float, norm_type: float = 2.0
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip every grad of `model` by one global L2 norm; returns that norm (same value on every rank).
 
     Dedicated matrices count once, on their global owner (`_reduced_grad`); FSDP2/TP grads count through
-    their DTensor shards; plain replicated grads count once.
+    their DTensor shards; plain replicated grads count once. Under a pipeline, `model` is this rank's stages and
+    `pp_mesh` the mesh of the ranks holding the other stages: their squared norms are summed over it, so every
+    stage clips by the norm of the whole model (the owners' sum is over every rank already).
     """
     if norm_type != 2.0:
         raise ValueError("dmuon.clip_grad_norm_ supports the L2 norm only")
@@ -53,7 +60,10 @@ def clip_grad_norm_(
         ded_sq += g.float().pow(2).sum()
     dist.all_reduce(ded_sq)
     others = [p.grad for p in model.parameters() if p not in state.by_param and p.grad is not None]
-    total = (ded_sq + grads_sq_norm(others, device)).sqrt()
+    others_sq = grads_sq_norm(others, device)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(others_sq, group=pp_mesh.get_group())
+    total = (ded_sq + others_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     scale_grads_(owned + others, coef)
     return total

@@ -372,7 +372,7 @@ class DedicatedParamGroup:
         else:
             self.enter_backward()  # a recompute (activation checkpointing) inside a backward
         self.unshard()
-        if not in_backward:
+        if not in_backward and self.state.prefetch:
             nxt = self.state.next_group(self)
             if nxt is not None:
                 nxt.unshard()  # prefetch: its broadcast flies while this group computes
@@ -402,7 +402,7 @@ class DedicatedParamGroup:
         st = self.state
         self.enter_backward()
         self.unshard()
-        prev = st.prev_group(self)
+        prev = st.prev_group(self) if st.prefetch else None
         if prev is not None and not prev._reduced:
             prev.unshard()  # prefetch the group whose backward comes next
         self.wait_for_unshard()

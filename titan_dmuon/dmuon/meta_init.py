@@ -31,6 +31,9 @@ def init_dedicated_params(model: nn.Module, init_fn: InitFn, device: torch.devic
     if device.type == "meta":
         raise ValueError("init_dedicated_params: pass the device to allocate on (e.g. 'cuda:0' or 'cpu'), not meta")
     pending = [g for g in state.groups if g.on_meta]
+    if not state.groups and state.device.type == "meta":  # allow_empty: nothing dedicated on this rank
+        state.device = device
+        return
     if not pending:
         raise RuntimeError(
             "init_dedicated_params: the dedicated params are not on the meta device (dedicate_params was given a "
@@ -38,3 +41,4 @@ def init_dedicated_params(model: nn.Module, init_fn: InitFn, device: torch.devic
         )
     for group in pending:
         group.materialize(device, init_fn)
+    state.device = device

@@ -161,6 +161,7 @@ class DMuonState:
         }[tp_buffer_reuse]
         self.tp_buffers = {"kinds": kinds, "store": {}} if kinds else None
         self.groups: list[DedicatedParamGroup] = []
+        self.device = torch.device("cpu")  # the model's (meta until init_dedicated_params): where collectives run
         self.dparams: list[DedicatedParam] = []
         self.by_param: dict[nn.Parameter, DedicatedParam] = {}
         # per-head Muon: fqn -> (dim, size) head blocks recorded by dedicate_params (docs/dmuon.md, "Per-head Muon")
@@ -169,6 +170,10 @@ class DMuonState:
         self.streams = Streams()  # the CUDA ones once the groups are on a GPU (comm.streams_for)
         self.publish_wait = WaitMeter()  # how long each forward waited for the post-step publish
         self.sync_grads = True
+        # Unshard the next group in forward (the previous in backward) while this one computes. Off for a model that
+        # is several pipeline stages: its groups' order is not the order they run in (microbatches of two stages
+        # interleave, and which group's backward comes next depends on the schedule).
+        self.prefetch = True
         self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
         self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
         self._accumulated = Work()  # the owners' accumulations, done on the replicate-axis stream
@@ -259,6 +264,28 @@ class DMuonState:
         accumulated, self._accumulated = self._accumulated, Work()
         accumulated.wait()  # compute: the owners' reduced grads are complete
         for g in entered:
+            g.end_backward()
+            if self.mode == "fsdp":
+                g.reshard()
+        self._backward_ended = True
+
+    def reduce_now(self) -> None:
+        """Reduce every group's grads accumulated so far (under `no_sync`), outside any backward: in group order,
+        the same on every rank, both stages drained, the owners' reduced grads complete on return. What a
+        pipeline schedule's end calls (`dmuon.reduce_grads`), where the weight grads of a zero-bubble schedule
+        land after the backward that ran the groups' post-backward."""
+        if not self.sync_grads:
+            raise RuntimeError("dmuon.reduce_grads inside no_sync: leave the no_sync block first")
+        for g in self.groups:
+            g._reduced = False
+            g.reduce_grads()
+        while self._pending:
+            self._start_stage2(*self._pending.pop(0))
+        while self._stage2:
+            self._finish_stage2(*self._stage2.pop(0))
+        accumulated, self._accumulated = self._accumulated, Work()
+        accumulated.wait()
+        for g in self.groups:
             g.end_backward()
             if self.mode == "fsdp":
                 g.reshard()

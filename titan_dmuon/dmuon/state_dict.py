@@ -36,7 +36,7 @@ from .state import DMuonState, state_of, unwrap
 
 def _comm_device(state: DMuonState) -> torch.device:
     """The device DMuon's collectives run on: its params' (CUDA under NCCL, where a CPU tensor would fail)."""
-    return state.groups[0].device
+    return state.groups[0].device if state.groups else state.device
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

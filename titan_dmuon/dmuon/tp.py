@@ -37,14 +37,16 @@ def dp_mesh_names(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | No
     return names
 
 
-def tp_coordinate(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | None, dp_names: set[str]) -> int:
-    """This rank's TP coordinate, from the mesh the DP slices were cut from: its coordinates on the root mesh's
-    non-DP dims, flattened (0 when the DP meshes are the whole world). Taken from the mesh, not the params: with
-    no TP-sharded dedicated param every rank would otherwise say 0 and the DP slices would collapse."""
+def tp_coordinate(shard_mesh: DeviceMesh | None, replicate_mesh: DeviceMesh | None, dp_names: set[str]) -> int | None:
+    """This rank's slice coordinate, from the mesh the DP slices were cut from: its coordinates on the root mesh's
+    non-DP dims (TP, and any outer dim such as a pipeline stage's), flattened; None when the DP meshes are the
+    whole world or are flattened from root dims (nothing to tell apart). Taken from the mesh, not the params: with
+    no TP-sharded dedicated param every rank would otherwise say 0 and the DP slices would collapse, and ranks of
+    two pipeline stages have the same TP rank."""
     ref = shard_mesh if shard_mesh is not None else replicate_mesh
     root = ref._get_root_mesh() if ref is not None else None
     if root is None or root is ref or not root.mesh_dim_names or not dp_names <= set(root.mesh_dim_names):
-        return 0  # the whole world, or a DP mesh flattened from root dims: no TP dim to tell apart
+        return None
     coord = root.get_coordinate()
     tp = 0
     for dim, name in enumerate(root.mesh_dim_names):
