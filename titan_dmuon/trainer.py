@@ -42,8 +42,10 @@ from titan_dmuon.components.profiling import maybe_enable_memory_snapshot, maybe
 from titan_dmuon.components.validate import Validator
 from titan_dmuon.config import ConfigError, JobConfig, dump_toml
 from titan_dmuon.data import DataError, build_tokenizer
+from titan_dmuon.dtypes import to_dtype
 from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.parallel.layout import check_node_layout, describe_layout
+from titan_dmuon.parallel.pipeline import Pipeline, keep_stages, plan_stages, stage_ids, stage_slices
 from titan_dmuon.parallel.preemption import StopRequested, StopSignals
 from titan_dmuon.parallel.runtime import DistributedRuntime, ranks_per_node
 
@@ -140,6 +142,23 @@ class Trainer:
             cfg.model.vocab_size = vocab
         model = build_meta_model(self.spec, cfg, vocab)
         self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
+        self.n_layers = len(self.spec.blocks(model))
+        #    Pipeline: this rank keeps the modules of its stages only, with the whole model's FQNs
+        #    (titan_dmuon/parallel/pipeline.py); everything below treats that part as the model.
+        self.pipeline: Pipeline | None = None
+        if self.dims.pp_enabled:
+            self._stages = plan_stages(cfg, self.n_layers)
+            pp_rank = self.dims.meshes.pp.get_local_rank()
+            ids = stage_ids(pp_rank, self.dims.pp, len(self._stages), cfg.parallelism.pipeline_parallel_schedule)
+            self._slices = stage_slices(self._stages, ids)
+            keep_stages(model, self._slices)
+            logger.info(
+                "Pipeline %s: %d stages; this rank (pp %d) holds %s",
+                cfg.parallelism.pipeline_parallel_schedule,
+                len(self._stages),
+                pp_rank,
+                "; ".join(f"stage {s.index}: {', '.join(self._stages[s.index])}" for s in self._slices),
+            )
         logger.info(
             "Model %s/%s: %s params, %.3g training FLOPs/token",
             cfg.model.name,
@@ -163,7 +182,13 @@ class Trainer:
         #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
         #     checkpointing): scaled as the loss is, by 1 / accumulation steps (titan_dmuon/components/moe.py).
         self.has_moe = bool(moe_layers(self.model))
-        set_aux_loss_scale(self.model, 1.0 / t.gradient_accumulation_steps)
+        self._moe_rows = self._moe_layer_rows()
+        #     Pipeline: the schedule over this rank's stages; the step's rows (all accumulation micro-batches) are
+        #     its microbatches.
+        if self.dims.pp_enabled:
+            self.pipeline = self._build_pipeline()
+        n_micro = self.pipeline.n_microbatches if self.pipeline is not None else t.gradient_accumulation_steps
+        set_aux_loss_scale(self.model, 1.0 / n_micro)
         self._moe_scalars: dict[str, torch.Tensor] = {}
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optimizer_component.build()
@@ -260,18 +285,51 @@ class Trainer:
         """
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's loss as a plain scalar tensor (the same on all TP ranks). Call it, and backward it,
-        inside `self._loss_parallel()`."""
-        loss = self.spec.loss_fn(self.model(inputs), labels)
+    def _loss_of(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of `logits` as a plain scalar tensor (the same on all TP ranks)."""
+        loss = self.spec.loss_fn(logits, labels)
         if isinstance(loss, DTensor):  # loss parallel: replicated over TP, so no communication here
             loss = loss.full_tensor()
         return loss
 
+    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss as a plain scalar tensor (the same on all TP ranks). Call it, and backward it,
+        inside `self._loss_parallel()`."""
+        return self._loss_of(self.model(inputs), labels)
+
     def _eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The Validator's loss: `_loss` inside `_loss_parallel()`, no backward."""
+        """The Validator's loss: `_loss` inside `_loss_parallel()`, no backward. Under a pipeline the last stage's
+        ranks compute it: they return it times the pipeline degree and the other ranks 0, so the Validator's mean
+        over all ranks is the mean over the last stage's."""
         with self._loss_parallel():
-            return self._loss(inputs, labels)
+            if self.pipeline is None:
+                return self._loss(inputs, labels)
+            loss = self.pipeline.eval(inputs, labels)
+            if loss is None:
+                return torch.zeros((), device=self.device)
+            return loss * self.dims.pp
+
+    def _build_pipeline(self) -> Pipeline:
+        t, p = self.cfg.training, self.cfg.parallelism
+        dim = self.model.args.dim
+        length = t.seq_len // self.dims.tp if self.dims.tp_enabled else t.seq_len  # sequence parallel between blocks
+        dtype = to_dtype(t.mixed_precision_param)
+        return Pipeline(
+            self.model,
+            self._slices,
+            len(self._stages),
+            p.pipeline_parallel_schedule,
+            self.dims.meshes.pp.get_group(),
+            self.device,
+            self._loss_of,
+            rows=t.local_batch_size * t.gradient_accumulation_steps,
+            eval_rows=t.local_batch_size,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+            seq_len=t.seq_len,
+            hidden=(length, dim, dtype),
+            vocab=self.model.args.vocab_size,
+            logits_mesh=self.dims.meshes.tp if self.loss_parallel else None,
+        )
 
     def train_step(self, data_iter) -> tuple[float, float, int]:
         """One optimizer step over gradient_accumulation_steps micro-batches.
@@ -283,7 +341,17 @@ class Trainer:
         # [the loss, whether this rank got a stop signal]: one all-reduce gives every rank both.
         loss_sum = torch.zeros(2, dtype=torch.float32, device=self.device)
         ntokens = 0
-        for i in range(accum):
+        if self.pipeline is not None:  # the accumulation micro-batches are the schedule's microbatches
+            batches = [next(data_iter) for _ in range(accum)]
+            inputs = torch.cat([b[0] for b in batches]).to(self.device)
+            labels = torch.cat([b[1] for b in batches]).to(self.device)
+            with self.optimizer_component.no_sync(), self._loss_parallel():
+                loss = self.pipeline.step(inputs, labels)
+            self.optimizer_component.reduce_grads()
+            if loss is not None:  # the last stage's ranks
+                loss_sum[0] += loss
+            ntokens = labels.numel()
+        for i in range(accum if self.pipeline is None else 0):
             inputs, labels = next(data_iter)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             # No gradient communication on the micro-batches before the last one (grad accumulation).
@@ -296,12 +364,13 @@ class Trainer:
             loss_sum[0] += loss.detach()
             ntokens += labels.numel()
         grad_norm = self.optimizer_component.clip_grad_norm_(self.max_norm)  # global: the same on every rank
-        # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks. A stop signal is
-        # sampled here, on every rank after the same step (titan_dmuon/parallel/preemption.py).
+        # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks (under a pipeline
+        # only the last stage's ranks, one stage's worth, hold one). A stop signal is sampled here, on every rank
+        # after the same step (titan_dmuon/parallel/preemption.py).
         loss_sum[1] = float(self.stop_signals.pending)
         dist.all_reduce(loss_sum)
         loss_value, norm_value, stops = torch.stack(
-            [loss_sum[0] / self.world_size, grad_norm.detach().float().to(self.device), loss_sum[1]]
+            [loss_sum[0] / self.dims.stage_size, grad_norm.detach().float().to(self.device), loss_sum[1]]
         ).tolist()
         self.stop_agreed = stops > 0
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
@@ -324,15 +393,40 @@ class Trainer:
         fraction of the mean load (1 = balanced), as device scalars (read on log steps only: no host sync here).
         Tokens are never dropped (no capacity limit)."""
         stats = moe_stats(self.model)
-        counts = stats["tokens_per_expert"].to(self.device, torch.float64)
+        local = stats["tokens_per_expert"].to(self.device, torch.float64)
+        n_local, experts = local.shape
+        # One row per layer of the whole model (a pipeline stage holds some of them), a last column flagging the
+        # rows of MoE layers, and the aux loss summed over this rank's layers with their number: summed over every
+        # rank, each layer's counts are its stage's ranks' and the aux loss is the mean over layers and ranks.
+        grid = torch.zeros(len(self._moe_rows_all), experts + 1, dtype=torch.float64, device=self.device)
+        rows = torch.tensor(self._moe_rows, dtype=torch.long, device=self.device)
+        grid[rows, :experts] = local
+        grid[rows, experts] = 1.0
         aux = stats["aux_loss"].to(self.device, torch.float64).reshape(1)
-        flat = torch.cat([counts.flatten(), aux])
+        flat = torch.cat([grid.flatten(), aux * n_local, aux.new_tensor([float(n_local)])])
         dist.all_reduce(flat)
-        counts = flat[:-1].view_as(counts)
-        update_moe_bias(self.model, counts)
+        grid = flat[:-2].view_as(grid)
+        update_moe_bias(self.model, grid[rows, :experts])
+        counts = grid[grid[:, experts] > 0, :experts]
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         load = counts / mean
-        return {"moe/aux_loss": flat[-1] / self.world_size, "moe/max_load": load.max(), "moe/min_load": load.min()}
+        return {
+            "moe/aux_loss": flat[-2] / flat[-1].clamp(min=1.0),
+            "moe/max_load": load.max(),
+            "moe/min_load": load.min(),
+            "moe/layers": (grid[:, experts] > 0).sum(),
+        }
+
+    def _moe_layer_rows(self) -> list[int]:
+        """Each of this rank's MoE layers' row among the whole model's layers (its block index `layers.N`), in
+        `moe_layers` order; `_moe_rows_all` holds one row per layer of the whole model."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        rows = []
+        for i, layer in enumerate(moe_layers(self.model)):
+            parts = names[id(layer)].split(".")
+            rows.append(int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else i)
+        self._moe_rows_all = range(max([self.n_layers, *(r + 1 for r in rows)]))
+        return rows
 
     # -------------------------------------------------------------------------------------------- loop
     def train(self) -> None:

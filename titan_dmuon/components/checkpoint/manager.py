@@ -219,7 +219,7 @@ class CheckpointManager:
             dtype = to_dtype(self.c.export_dtype)
             sd["model"] = {k: v.detach().to(dtype) for k, v in sd["model"].items()}
             return sd
-        sd["optimizer"] = self.optim.state_dict()
+        sd["optimizer"] = self.optim.checkpoint_state_dict()
         sd["lr_scheduler"] = {"last_epoch": torch.tensor(self.lr_scheduler.last_epoch)}
         sd["dataloader"] = self._dataloader_state()
         sd["rng"] = {f"rank{self.rank}": rng_state()}
@@ -542,7 +542,7 @@ class CheckpointManager:
         # first call may run collectives (torch's get_optimizer_state_dict steps a fresh optimizer, e.g. muon_naive's)
         self.optim.model_state_dict()
         if not model_only:
-            self.optim.state_dict()
+            self.optim.checkpoint_state_dict()
         read = None
         try:
             mine, read = self._verify_step(path, model_only)
@@ -754,7 +754,7 @@ class CheckpointManager:
         self._tokens_seen = int(state["train_state"]["tokens_seen"]) if "train_state" in state else 0
         self.elapsed_s = float(state.get("train_state", {}).get("elapsed_s", 0.0))  # absent in older checkpoints
         if not model_only:
-            self.optim.load_state_dict(state["optimizer"])
+            self.optim.load_checkpoint_state_dict(state["optimizer"])
             self._load_lr_scheduler(int(state["lr_scheduler"]["last_epoch"]))
             d = state["dataloader"]
             self.dataloader.seek(int(d["step"]), {j: d["rows"][j].tolist() for j in self.dataloader.rows})
@@ -774,7 +774,7 @@ class CheckpointManager:
                 state["train_state"]["elapsed_s"] = torch.tensor(0.0, dtype=torch.float64)
         if model_only:
             return state
-        state["optimizer"] = self.optim.state_dict()
+        state["optimizer"] = self.optim.checkpoint_state_dict()
         state["lr_scheduler"] = {"last_epoch": torch.tensor(0)}
         state["dataloader"] = {
             "step": torch.tensor(0),

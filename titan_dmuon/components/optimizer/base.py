@@ -9,6 +9,7 @@ The trainer never asks which optimizer it has. It calls, in this order:
     component.init_own_params(init_fn, device)           # materialize: the component allocates what it kept
     optimizer = component.build()                        # the torch.optim.Optimizer (lr scheduler, step)
     with component.no_sync(): ...                        # every micro-batch but the last one
+    component.reduce_grads()                             # a pipeline: after the schedule, its whole no_sync step
     norm = component.clip_grad_norm_(max_norm)           # one global norm, the same on every rank
     optimizer.step(); component.step_stats()             # the metrics the component adds
     component.model_state_dict() / load_model_state_dict(sd)  # checkpoints: this rank's share, by FQN (DCP)
@@ -126,7 +127,7 @@ class OptimizerComponent:
                 f"{source} selects 3-D parameters that are no MoE layer's expert stack: {', '.join(strays[:3])}; "
                 "Muon takes 2-D matrices and expert stacks only: narrow the regex"
             )
-        if not selected:
+        if not selected and not self.pipelined:  # a pipeline stage may hold none (the whole model is checked)
             raise ConfigError(
                 f"{source} selects no matrix parameter (2-D, or a 3-D expert stack) of "
                 f"{self.spec.name}/{self.cfg.model.flavor}"
@@ -168,14 +169,35 @@ class OptimizerComponent:
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model is this rank's stages of a pipeline (the other stages' params are other ranks')."""
+        return self.dims is not None and self.dims.pp_enabled
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """The ranks holding the other stages (a pipeline only): norms are summed over it."""
+        return self.dims.meshes.pp if self.pipelined else None
+
+    def reduce_grads(self) -> None:
+        """Reduce the grads a pipeline schedule accumulated under `no_sync` (FSDP2's reduce-scatter here)."""
+        from titan_dmuon.parallel.pipeline import fsdp_reduce_grads
+
+        fsdp_reduce_grads(self.model)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every grad so that the global L2 norm is at most `max_norm`; returns the norm before, the same
-        value on every rank."""
+        value on every rank (over every pipeline stage)."""
+        import torch.distributed as dist
+
         from titan_dmuon.dmuon.clip import grads_sq_norm, scale_grads_
 
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        total = grads_sq_norm(grads, device).sqrt()  # FSDP2/TP/EP DTensors, each mesh on its own
+        device = grads[0].device if grads else torch.device(self.mesh.device_type if self.mesh else "cpu")
+        sq = grads_sq_norm(grads, device)  # FSDP2/TP/EP DTensors, each mesh on its own
+        if self.pp_mesh is not None:
+            dist.all_reduce(sq, group=self.pp_mesh.get_group())
+        total = sq.sqrt()
         scale_grads_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
@@ -219,8 +241,67 @@ class OptimizerComponent:
         """The inverse of `state_dict` (the same layout, possibly saved by another topology)."""
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
+    def checkpoint_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` as checkpoints save it: under a pipeline each param group lists the FQNs of every stage
+        (gathered over the pp ranks: every rank saves the same groups, those of the whole model), so the
+        checkpoint loads on any layout."""
+        sd = self.state_dict()
+        if self.pp_mesh is not None:
+            sd = {**sd, "param_groups": _whole_model_groups(sd["param_groups"], self.pp_mesh)}
+        return sd
+
+    def load_checkpoint_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of `checkpoint_state_dict`: under a pipeline the saved groups (the whole model's, by kind)
+        must hold the FQNs this model's groups hold over all stages; each rank then takes its own."""
+        if self.pp_mesh is not None:
+            mine = self.state_dict()["param_groups"]
+            groups = _stage_groups(state_dict["param_groups"], mine, self.pp_mesh)
+            state_dict = {**state_dict, "param_groups": groups}
+        self.load_state_dict(state_dict)
+
     def close(self) -> None:
         """Finish what is still in flight; called once, before the process group goes."""
+
+
+def _group_key(group: dict[str, Any], index: int) -> str:
+    return str(group.get("kind", index))
+
+
+def _whole_model_groups(groups: list[dict[str, Any]], pp_mesh: DeviceMesh) -> list[dict[str, Any]]:
+    """Every pp rank's param groups merged by kind (a stage without Muon matrices has no "muon" group), each
+    listing the FQNs of all stages, in pp rank order: the same list on every rank (one all_gather_object)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * pp_mesh.size()
+    dist.all_gather_object(gathered, groups, group=pp_mesh.get_group())
+    merged: dict[str, dict[str, Any]] = {}
+    for rank_groups in gathered:
+        for i, g in enumerate(rank_groups):
+            key = _group_key(g, i)
+            if key not in merged:
+                merged[key] = {**g, "params": list(g["params"])}
+            else:
+                known = set(merged[key]["params"])
+                merged[key]["params"] += [p for p in g["params"] if p not in known]
+    return list(merged.values())
+
+
+def _stage_groups(saved: list[dict[str, Any]], mine: list[dict[str, Any]], pp_mesh: DeviceMesh) -> list[dict]:
+    """This rank's groups with the saved hyper-parameters, after checking that the saved groups hold, kind by kind,
+    the FQNs the model's groups hold over all its stages (ValueError otherwise: another model, or other
+    optimizer.muon_params)."""
+    whole = {_group_key(g, i): g for i, g in enumerate(_whole_model_groups(mine, pp_mesh))}
+    by_key = {_group_key(g, i): g for i, g in enumerate(saved)}
+    for key in sorted(set(whole) | set(by_key)):
+        want = sorted(whole[key]["params"]) if key in whole else []
+        got = sorted(by_key[key]["params"]) if key in by_key else []
+        if want != got:
+            diff = sorted(set(want) ^ set(got))
+            raise ValueError(
+                f"the checkpoint's optimizer param group {key!r} differs from this model's in {diff[:5]} (another "
+                "model or optimizer.muon_params?)"
+            )
+    return [{**by_key[_group_key(g, i)], "params": g["params"]} for i, g in enumerate(mine)]
 
 
 _REGISTRY: dict[str, type[OptimizerComponent]] = {}

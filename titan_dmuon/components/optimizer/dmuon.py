@@ -60,7 +60,10 @@ class DMuon(OptimizerComponent):
             head_blocks=self.head_blocks(model) or None,  # optimizer.muon.per_head: the family's head blocks
             # expert parallelism: the expert stacks are owned over the ranks that hold the same experts
             expert_mesh=dims.expert_dp_mesh(mesh) if dims.ep_enabled else None,
+            allow_empty=self.pipelined,  # a pipeline stage without a Muon matrix: AdamW only, same collectives
         )
+        if self.pipelined:  # the stages' microbatches interleave: no group's successor is known (dmuon/state.py)
+            dmuon.state_of(model, "prepare").prefetch = False
         self.own_params = set(owners)
         return self.own_params
 
@@ -83,8 +86,12 @@ class DMuon(OptimizerComponent):
     def no_sync(self):
         return dmuon.no_sync(self.model)  # DMuon's reduces and FSDP2's
 
+    def reduce_grads(self) -> None:
+        dmuon.reduce_grads(self.model)  # to the owners, then FSDP2's reduce-scatter
+        super().reduce_grads()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return dmuon.clip_grad_norm_(self.model, self.optimizer, max_norm)
+        return dmuon.clip_grad_norm_(self.model, self.optimizer, max_norm, pp_mesh=self.pp_mesh)
 
     def step_stats(self) -> dict[str, float]:
         """Newton-Schulz calls and time, the bytes of each collective kind whose mesh axis has more than one

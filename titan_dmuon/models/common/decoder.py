@@ -11,7 +11,7 @@ parameter values at construction time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -94,20 +94,36 @@ class Decoder(nn.Module):
         then holds the embedding's new one again. (DTensor params, under FSDP2 or TP, are swapped in place and
         stay one.)"""
         out = super()._apply(fn, recurse)
-        if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        tied = self.tie_embeddings and self.output is not None and self.tok_embeddings is not None  # a pipeline part
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
         return out
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        layers: Sequence[str] | None = None,
+        embed: bool = True,
+        head: bool = True,
+    ) -> torch.Tensor:
         """``tokens [B, L]`` (int64) -> logits ``[B, L, vocab_size]`` in the compute dtype.
 
         With a ``cache`` (generation), ``tokens`` continue the cached sequences: row ``b``'s positions start at
-        ``cache.length - cache.pad[b]`` (its prompt is left-padded by ``pad[b]`` slots that no query sees)."""
+        ``cache.length - cache.pad[b]`` (its prompt is left-padded by ``pad[b]`` slots that no query sees).
+
+        A pipeline stage (titan_dmuon/parallel/pipeline.py) runs a slice: the blocks named in ``layers`` (keys of
+        ``self.layers``; all by default), the embedding only if ``embed`` (else ``tokens`` is the hidden state
+        ``[B, L, dim]`` the previous stage sent), the final norm and the head only if ``head`` (else the hidden
+        state goes out)."""
         end = tokens.shape[1] if cache is None else cache.length + tokens.shape[1]
         if end > self.args.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.args.max_seq_len}")
-        h = run_blocks(self.layers.values(), self.tok_embeddings(tokens), self.rope_cache, tokens.shape[1], cache)
-        return self.output(self.norm(h))
+        blocks = self.layers.values() if layers is None else [self.layers[k] for k in layers]
+        h = self.tok_embeddings(tokens) if embed else tokens
+        h = run_blocks(blocks, h, self.rope_cache, tokens.shape[1], cache)
+        return self.output(self.norm(h)) if head else h
 
     def param_inits(self) -> dict[str, ParamInit]:
         """Every parameter's initial distribution by FQN (a function of the shapes only: no values read).
@@ -125,6 +141,9 @@ class Decoder(nn.Module):
         else:
             inits["tok_embeddings.weight"] = normal(1.0)
             inits["output.weight"] = trunc_normal(std, a=-3.0 * std, b=3.0 * std)
+        # a pipeline stage's part of the model lacks some of these (None): it initializes what it holds
+        present = {n for n, _ in self.named_parameters()}
+        inits = {k: v for k, v in inits.items() if k in present}
         for i, layer in self.layers.items():
             inits.update({f"layers.{i}.{k}": v for k, v in layer.param_inits().items()})
         return inits

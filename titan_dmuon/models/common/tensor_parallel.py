@@ -151,8 +151,10 @@ def apply_tp(
         if heads % tp:
             raise ValueError(f"{name} ({heads}) must be divisible by the tensor-parallel degree ({tp})")
 
-    parallelize_module(model, tp_mesh, top_plan(sequence_parallel, loss_parallel))
-    if model.tie_embeddings:
+    # A pipeline stage holds some of the embedding, the final norm and the head (absent ones are None).
+    plan = {k: v for k, v in top_plan(sequence_parallel, loss_parallel).items() if getattr(model, k) is not None}
+    parallelize_module(model, tp_mesh, plan)
+    if model.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Both modules sharded their [vocab, dim] weight the same way (Shard(0)): hold the embedding's in both.
         emb, out = model.tok_embeddings.weight, model.output.weight
         if emb.placements != out.placements or emb.shape != out.shape:

@@ -1,0 +1,181 @@
+"""Pipeline parallelism end to end: train.py on 4 gloo ranks with a pipeline axis against the single process.
+
+Every run trains the Llama-3 tinymodel (2 blocks) for 8 steps on the same global batch of 8 x 32 tokens with fp32
+Newton-Schulz, so each layout's losses are the single process's to fp32 rounding: the pipeline splits a step's
+rows into microbatches (each a mean over its tokens divided by their number), and the single process takes the
+mean over the same rows. The reference is train.py without any pipeline, 1 process: none of the pipeline code
+runs there.
+
+  pp2 x fsdp2 (GPipe, 1F1B), pp2 x tp2 (1F1B), pp4 (1F1B: 4 stages of one unit, the first (embedding) and the
+  last (norm + head) without any Muon matrix), pp2 x fsdp2 with 2 stages per rank on each multi-stage schedule
+  (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), dmuon == muon_naive under pp2,
+  an explicit split, the MoE debug model under pp2 x ep2, and the configuration errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.train_runs import assert_same_run, read_scalars, run_train, tail, tiny_train_argv
+
+STEPS = 8
+
+
+def _argv(dump, *extra: str) -> list[str]:
+    steps = ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+    return tiny_train_argv(dump, *steps, *extra, seed=42, tensorboard=True)
+
+
+def _train(nproc: int, dump, *extra: str) -> dict[str, dict[int, float]]:
+    proc = run_train(nproc, _argv(dump, *extra))
+    assert proc.returncode == 0, tail(proc)
+    return read_scalars(dump / "tb")
+
+
+def _pp(degree: int, schedule: str, *extra: str) -> tuple[str, ...]:
+    return (
+        "--parallelism.pipeline_parallel_degree",
+        str(degree),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, no pipeline: the losses every layout must give."""
+    return _train(1, tmp_path_factory.mktemp("ref"))
+
+
+FSDP2 = ("--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4")
+
+LAYOUTS = {
+    "pp2_fsdp2_1F1B": _pp(2, "1F1B", *FSDP2),
+    "pp2_fsdp2_GPipe": _pp(2, "GPipe", *FSDP2),
+    "pp2_tp2_1F1B": _pp(2, "1F1B", "--parallelism.tensor_parallel_degree", "2"),
+    "pp4_1F1B": _pp(4, "1F1B"),
+    **{
+        f"pp2_fsdp2_{s}": _pp(2, s, *FSDP2)
+        for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    },
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_matches_single_process(tmp_path, reference, layout) -> None:
+    scalars = _train(4, tmp_path, *LAYOUTS[layout])
+    assert_same_run(scalars, reference, rtol=1e-5)
+
+
+def test_dmuon_equals_muon_naive_under_pp2(tmp_path) -> None:
+    """The same pipeline with Muon the naive way (FSDP2 gathers every grad, every rank runs NS): DMuon's
+    stage-local owners change nothing of the update."""
+    layout = _pp(2, "1F1B", *FSDP2)
+    dmuon = _train(4, tmp_path / "dmuon", *layout)
+    naive = _train(4, tmp_path / "naive", *layout, "--optimizer.name", "muon_naive")
+    assert_same_run(naive, dmuon, rtol=1e-5)
+
+
+def test_explicit_split_with_a_stage_without_muon_matrices(tmp_path, reference) -> None:
+    """module_fqns_per_model_part: stage 0 holds the embedding only (no Muon matrix: AdamW alone on rank 0, which
+    still takes part in DMuon's set-up and norm collectives), stage 1 the rest."""
+    split = "tok_embeddings;layers.0,layers.1,norm,output"
+    scalars = _train(2, tmp_path, *_pp(2, "1F1B", "--parallelism.module_fqns_per_model_part", split))
+    assert_same_run(scalars, reference, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """The Qwen3 MoE debug model on 1 process, its 8 rows a step as 8 micro-batches of one row: the microbatches a
+    pipeline of 2 DP ranks with 4 one-row microbatches each runs (an MoE's auxiliary loss depends on the rows
+    it is computed over, so the split must be the same)."""
+    return _train(
+        1,
+        tmp_path_factory.mktemp("moe_ref"),
+        *MOE,
+        "--training.local_batch_size",
+        "1",
+        "--training.gradient_accumulation_steps",
+        "8",
+    )
+
+
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+
+
+def test_moe_pp2_ep2_matches_single_process_and_reports_every_layer(tmp_path, moe_reference) -> None:
+    """Qwen3 MoE (tied embedding: a V schedule puts the first and the last stage on one rank) on pp2 x fsdp2 with
+    the experts split over ep2: the losses of the single process, and the load metrics count all 4 layers of
+    both stages (each rank holds 2)."""
+    layout = _pp(2, "ZBVZeroBubble", *FSDP2, "--parallelism.expert_parallel_degree", "2")
+    scalars = _train(4, tmp_path, *MOE, *layout)
+    assert_same_run(scalars, moe_reference, rtol=1e-5)
+    assert set(scalars["moe/layers"].values()) == {4.0}
+    for step in range(1, STEPS + 1):
+        assert scalars["moe/min_load"][step] <= 1 <= scalars["moe/max_load"][step]
+        want = moe_reference["moe/aux_loss"][step]
+        assert abs(scalars["moe/aux_loss"][step] - want) <= 1e-5 * want
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "4")
+
+
+def _resume(tmp_path, saved, name: str, nproc: int, *layout: str) -> dict[str, dict[int, float]]:
+    """Steps 5..8 on `layout` from the step-4 checkpoint of the run in `saved` (copied: nothing saved changes)."""
+    import shutil
+
+    dump = tmp_path / name
+    shutil.copytree(saved / "checkpoint", dump / "checkpoint")
+    shutil.rmtree(dump / "checkpoint" / f"step-{STEPS}")  # resume from step 4
+    return _train(nproc, dump, *layout, *CKPT)
+
+
+def _tail_of(scalars) -> dict[str, dict[int, float]]:
+    return {tag: {s: v for s, v in values.items() if s > 4} for tag, values in scalars.items()}
+
+
+def test_pp2_checkpoint_resumes_on_pp2_fsdp4_and_one_process(tmp_path, reference) -> None:
+    """A pp2 x fsdp2 run saves at steps 4 and 8 (and trains as a straight pp2 run that never saves, bitwise); its
+    step-4 checkpoint (keyed by the whole model's FQNs, each stage's ranks writing their modules) resumes bitwise
+    on pp2, and within 1e-5 on 1D FSDP over 4 ranks and on one process. A 1D FSDP checkpoint resumes on pp2
+    within 1e-5 of the single process."""
+    pp2 = _pp(2, "1F1B", *FSDP2)
+    fsdp4 = ("--parallelism.data_parallel_shard_degree", "4", "--training.local_batch_size", "2")
+    straight = _train(4, tmp_path / "straight", *pp2)
+    saved = tmp_path / "saved"
+    assert_same_run(_train(4, saved, *pp2, *CKPT), straight, rtol=0)
+    assert (saved / "checkpoint" / "step-4").is_dir()
+    want = _tail_of(straight)
+    assert_same_run(_tail_of(_resume(tmp_path, saved, "on_pp2", 4, *pp2)), want, rtol=0)
+    assert_same_run(_tail_of(_resume(tmp_path, saved, "on_fsdp4", 4, *fsdp4)), want, rtol=1e-5)
+    assert_same_run(_tail_of(_resume(tmp_path, saved, "on_1proc", 1)), want, rtol=1e-5)
+    from_fsdp = tmp_path / "fsdp4_saved"
+    _train(4, from_fsdp, *fsdp4, *CKPT)
+    assert_same_run(_tail_of(_resume(tmp_path, from_fsdp, "fsdp4_on_pp2", 4, *pp2)), _tail_of(reference), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "nproc,args,expected",
+    [
+        (2, _pp(2, "1F1B", "--model.name", "qwen3"), "ties its embedding and output head"),
+        (2, _pp(2, "1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"), "1F1B runs one stage per rank"),
+        (
+            2,
+            _pp(2, "1F1B", "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;norm,output"),
+            "no stage holds layers.1",
+        ),
+        (2, _pp(4, "1F1B"), "pipeline_parallel_degree (4) does not divide the world size 2"),
+        (
+            2,
+            _pp(2, "1F1B", "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_microbatch_size", "2"),
+            "do not split into microbatches",
+        ),
+    ],
+)
+def test_pipeline_config_errors(tmp_path, nproc, args, expected) -> None:
+    proc = run_train(nproc, _argv(tmp_path, *args))
+    assert proc.returncode != 0
+    assert expected in proc.stdout + proc.stderr, tail(proc)
