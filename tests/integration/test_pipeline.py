@@ -55,6 +55,7 @@ LAYOUTS = {
     "pp2_fsdp2_GPipe": _pp(2, "GPipe", *FSDP2),
     "pp2_tp2_1F1B": _pp(2, "1F1B", "--parallelism.tensor_parallel_degree", "2"),
     "pp4_1F1B": _pp(4, "1F1B"),
+    "pp2_fsdp2_1F1B_dmuon_Z2": _pp(2, "1F1B", *FSDP2, "--optimizer.dmuon.reshard_after_forward", "false"),
     **{
         f"pp2_fsdp2_{s}": _pp(2, s, *FSDP2)
         for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -66,6 +67,17 @@ LAYOUTS = {
 def test_pipeline_matches_single_process(tmp_path, reference, layout) -> None:
     scalars = _train(4, tmp_path, *LAYOUTS[layout])
     assert_same_run(scalars, reference, rtol=1e-5)
+
+
+def test_dmuon_z2_broadcasts_once_per_step_whatever_the_microbatches(tmp_path) -> None:
+    """Under a pipeline DMuon keeps each group's broadcast buffer for the whole step (Z2): 4 microbatches of one row
+    broadcast the bytes 2 microbatches of 2 rows do, one packed broadcast per group and step (per microbatch, the
+    4 would broadcast twice the 2's)."""
+    z2 = _pp(2, "1F1B", *FSDP2, "--optimizer.dmuon.reshard_after_forward", "false")
+    four = _train(4, tmp_path / "four", *z2)
+    one = _train(4, tmp_path / "two", *z2, "--parallelism.pipeline_parallel_microbatch_size", "2")
+    got, want = four["dmuon/bytes_broadcast"], one["dmuon/bytes_broadcast"]
+    assert got == want and min(want.values()) > 0
 
 
 def test_dmuon_equals_muon_naive_under_pp2(tmp_path) -> None:

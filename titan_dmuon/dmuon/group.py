@@ -278,7 +278,7 @@ class DedicatedParamGroup:
             for dp in self.params:  # on compute: the user's clears, then the placeholder
                 dp.leave_grad_placeholder()
             st.enqueue_reduce(self, gbuf, work)
-        if st.mode == "fsdp":
+        if st.mode == "fsdp" and (st.reshard_after_backward or st.sync_grads):
             self.reshard()
 
     def prepare_reduced_grads(self) -> None:

@@ -174,6 +174,10 @@ class DMuonState:
         # is several pipeline stages: its groups' order is not the order they run in (microbatches of two stages
         # interleave, and which group's backward comes next depends on the schedule).
         self.prefetch = True
+        # Free each group's packed buffer once its backward is done (under no_sync too). A pipeline schedule turns it
+        # off for its step (`reduce_now` turns it on again and frees them): under Z2 a group is then broadcast
+        # once per step, not once per microbatch.
+        self.reshard_after_backward = True
         self._pending: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 1 in flight
         self._stage2: list[tuple[DedicatedParamGroup, torch.Tensor, Work]] = []  # stage 2 in flight
         self._accumulated = Work()  # the owners' accumulations, done on the replicate-axis stream
@@ -265,7 +269,7 @@ class DMuonState:
         accumulated.wait()  # compute: the owners' reduced grads are complete
         for g in entered:
             g.end_backward()
-            if self.mode == "fsdp":
+            if self.mode == "fsdp" and self.reshard_after_backward:
                 g.reshard()
         self._backward_ended = True
 
@@ -285,6 +289,7 @@ class DMuonState:
             self._finish_stage2(*self._stage2.pop(0))
         accumulated, self._accumulated = self._accumulated, Work()
         accumulated.wait()
+        self.reshard_after_backward = True
         for g in self.groups:
             g.end_backward()
             if self.mode == "fsdp":

@@ -216,14 +216,21 @@ def fsdp_reduce_grads(model: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
-def fsdp_hold_unsharded(model: nn.Module) -> None:
+def hold_unsharded(model: nn.Module) -> None:
     """During a schedule: FSDP2 keeps each unit gathered between its microbatches' backwards and leaves the last
-    one to `fsdp_reduce_grads` (a zero-bubble weight grad lands after its unit's post-backward)."""
+    one to `fsdp_reduce_grads` (a zero-bubble weight grad lands after its unit's post-backward); DMuon keeps each
+    group's broadcast buffer until `dmuon.reduce_grads` (under Z2 one broadcast per step, not per microbatch; Z3
+    still frees it after each forward)."""
     from torch.distributed.fsdp import FSDPModule
+
+    from titan_dmuon.dmuon.state import find_state
 
     if isinstance(model, FSDPModule):
         model.set_is_last_backward(False)
         model.set_reshard_after_backward(False)
+    state = find_state(model)
+    if state is not None:
+        state.reshard_after_backward = False
 
 
 class Pipeline:
@@ -345,7 +352,7 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        fsdp_hold_unsharded(self.part)
+        hold_unsharded(self.part)
         return self._run(self.schedule, inputs, labels, train=True)
 
     @torch.no_grad()
