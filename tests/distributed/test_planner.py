@@ -289,3 +289,30 @@ def test_expert_parallel_misconfigurations_exit_2(config, extra, match) -> None:
     proc = run_script(1, "train.py", argv, cwd=str(REPO), timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.search(match, proc.stderr), proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config,world,pp,stages",
+    [("llama3_405b_pp.toml", 1024, 8, 16), ("qwen3_235b_a22b_pp.toml", 256, 4, 8)],
+    ids=["405B-pp8", "235B-A22B-pp4"],
+)
+def test_pipelined_configs_plan_every_stage(config, world, pp, stages, tmp_path) -> None:
+    """The pipelined alternatives at their clusters: every pp rank's part planned (its stages hold every block once,
+    the embedding on the first stage and the head on the last), each fits an 80 GiB device, the bubble is the
+    interleaved schedule's (pp - 1) / (v m + pp - 1), the largest part's peak is the capacity's, and each stage's
+    DMuon bytes are below the config's pipeline-free layout's (its DP groups are pp times smaller)."""
+    planned, _ = dry_run(["--config", f"train_configs/{config}"], world, tmp_path / "plan.json")
+    pipe = planned["pipeline"]
+    assert pipe["stages"] == stages and len(pipe["ranks"]) == pp and pipe["warnings"] == []
+    held = [m for r in pipe["ranks"] for mods in r["stages"].values() for m in mods]
+    n_layers = LAYERS[config.replace("_pp", "")]
+    assert sorted(held) == sorted(["tok_embeddings", "norm", "output", *(f"layers.{i}" for i in range(n_layers))])
+    v, m = pipe["stages_per_rank"], pipe["microbatches"]
+    assert pipe["bubble_fraction"] == pytest.approx((pp - 1) / (v * m + pp - 1))
+    peaks = [r["peak_bytes"] for r in pipe["ranks"]]
+    cap = planned["capacity"]
+    assert cap["fits"] and cap["peak_bytes"] == pytest.approx(max(peaks)) and max(peaks) <= 80 * GIB
+    assert all(r["microbatches_in_flight"] <= m and r["p2p_send_bytes"] > 0 for r in pipe["ranks"])
+    flat, _ = dry_run(["--config", f"train_configs/{config.replace('_pp', '')}"], world, tmp_path / "flat.json")
+    assert max(r["dmuon_bytes"] for r in pipe["ranks"]) < flat["bytes_per_step"]["dmuon_total_bytes"]["max"]

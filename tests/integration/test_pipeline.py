@@ -191,3 +191,28 @@ def test_pipeline_config_errors(tmp_path, nproc, args, expected) -> None:
     proc = run_train(nproc, _argv(tmp_path, *args))
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr, tail(proc)
+
+
+# ------------------------------------------------------------------------------ the trainer's other features
+VALIDATION = ("--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "2")
+FEATURES = ("--activation_checkpoint.mode", "full", "--training.local_batch_size", "4")
+ACCUM = ("--training.gradient_accumulation_steps", "2")
+
+
+def test_pp2_validation_ac_accumulation_and_export_generate(tmp_path) -> None:
+    """pp2 on 2 ranks with validation, full activation checkpointing and 2 accumulation micro-batches (8
+    microbatches of the pipeline a step): the training and validation losses of one process with the same settings,
+    and the checkpoint it saves last generates (scripts/generate.py, from the DCP folder) the tokens transformers
+    generates from the Hugging Face export the run wrote itself (checkpoint.last_save_in_hf)."""
+    from tests.integration.test_generate import _generate_py, _transformers
+
+    one = _train(1, tmp_path / "one", *VALIDATION, *FEATURES, *ACCUM)
+    extra = ("--checkpoint.enable", "true", "--checkpoint.interval", "8", "--checkpoint.last_save_in_hf", "true")
+    pp = _train(2, tmp_path / "pp", *VALIDATION, *FEATURES, *ACCUM, *_pp(2, "1F1B"), *extra)
+    assert_same_run(pp, one, rtol=1e-5)
+    got, want = pp["loss/validation"], one["loss/validation"]
+    assert sorted(got) == [4, 8] and all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want)
+    step = tmp_path / "pp" / "checkpoint" / f"step-{STEPS}"
+    hf = next((tmp_path / "pp" / "checkpoint").glob("*hf*"))
+    _, tokens = _transformers(hf)
+    assert _generate_py(step) == tokens

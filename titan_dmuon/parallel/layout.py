@@ -86,12 +86,13 @@ def describe_layout(dims: ParallelDims, hosts: Sequence[str], max_items: int = 3
         nodes.setdefault(host, []).append(rank)
     per_node = "/".join(str(n) for n in sorted({len(r) for r in nodes.values()}))
     ep = f", shard = (efsdp {dims.efsdp} x ep {dims.ep})" if dims.ep_enabled else ""
+    pp_name, pp = ("pp, ", f"{dims.pp}, ") if dims.pp_enabled else ("", "")
     lines = [
-        f"Layout: {dims.world_size} ranks on {len(nodes)} node(s) of {per_node} ranks; mesh (replicate, shard, tp) = "
-        f"({dims.dp_replicate}, {dims.dp_shard}, {dims.tp}){ep}, row-major",
+        f"Layout: {dims.world_size} ranks on {len(nodes)} node(s) of {per_node} ranks; mesh ({pp_name}replicate, "
+        f"shard, tp) = ({pp}{dims.dp_replicate}, {dims.dp_shard}, {dims.tp}){ep}, row-major",
         "  nodes: " + _first([f"{h} = ranks {_ranks(r)}" for h, r in nodes.items()], max_items),
     ]
-    for axis in ("shard", "replicate", "tp", *(("ep", "efsdp") if dims.ep_enabled else ())):
+    for axis in ("shard", "replicate", "tp", *(("ep", "efsdp") if dims.ep_enabled else ()), "pp"):
         groups = dims.groups(axis)
         if len(groups[0]) == 1:
             continue

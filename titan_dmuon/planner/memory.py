@@ -10,6 +10,7 @@ in chunks of ceil(rows / shard ranks).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,34 @@ def activation_estimate(spec: ModelSpec, model: torch.nn.Module, cfg: JobConfig,
         loss_parallel=not cfg.parallelism.disable_loss_parallel,
     )
     return spec.activation_estimate(model, **{**kwargs, **overrides})
+
+
+def pipeline_activations(spec: ModelSpec, model: torch.nn.Module, cfg: JobConfig, dims: ParallelDims, pp_rank: int):
+    """The activation estimate of a rank: without a pipeline its micro-batch's; under one, a microbatch's
+    (pipeline_parallel_microbatch_size rows) times the microbatches the schedule keeps in flight on pp rank
+    `pp_rank` (titan_dmuon/planner/pipeline.py), for the blocks and the head this rank's part holds."""
+    if not dims.pp_enabled:
+        return activation_estimate(spec, model, cfg, dims.tp)
+    from titan_dmuon.parallel.pipeline import plan_stages, stage_ids, stage_slices
+
+    from .pipeline import held_terms
+
+    p, t = cfg.parallelism, cfg.training
+    mb = p.pipeline_parallel_microbatch_size
+    estimate = activation_estimate(spec, model, cfg, dims.tp, batch=mb)
+    if estimate is None:
+        return None
+    n_layers = int(getattr(getattr(model, "args", None), "n_layers", 0)) or len(spec.blocks(model))
+    stages = plan_stages(cfg, n_layers)
+    mine = stage_slices(stages, stage_ids(pp_rank, dims.pp, len(stages), p.pipeline_parallel_schedule))
+    per_block = estimate.blocks / max(estimate.layers, 1)
+    weights = {s.index: (per_block * len(s.layers), estimate.head if s.head else 0.0) for s in mine}
+    m = t.local_batch_size * t.gradient_accumulation_steps // mb
+    blocks, head = held_terms(p.pipeline_parallel_schedule, dims.pp, pp_rank, m, weights)
+    k = blocks / estimate.blocks if estimate.blocks else 0.0
+    return dataclasses.replace(
+        estimate, block=estimate.block * k, checkpointed_block=estimate.checkpointed_block * k, head=head
+    )
 
 
 def ac_label(cfg: JobConfig) -> str:
@@ -233,11 +262,14 @@ def plan_memory(
     cfg: JobConfig,
     device_bytes: float | None = None,
     rank: int | None = None,
+    pp_rank: int = 0,
 ) -> tuple[dict[str, Any], dict[str, Any], Placement]:
     """Every rank's memory for the parallelized (meta) `model` and whether rank `rank`'s (default: the largest) fits
     `device_bytes` (default `job.dry_run_device_memory_gib`): (memory terms by rank, capacity, the placement the
     other sections reuse). The dry run calls it on its fake world; a real run on CUDA on its own build, before it
-    allocates anything (`check_device_memory`)."""
+    allocates anything (`check_device_memory`). Under a pipeline `model` is the part of pp rank `pp_rank` (every
+    stage's ranks are laid out alike), and its activations are those of the microbatches the schedule keeps in
+    flight there (`pipeline_activations`)."""
     R, N, T, W = dims.dp_replicate, dims.dp_shard, dims.tp, dims.world_size
     G_e = dims.expert_shard_size
     coords = dims.coordinates()
@@ -283,10 +315,11 @@ def plan_memory(
     # FSDP2's root unit (embeddings, output, and under DMuon every block's norms) is gathered whole per TP rank from
     # forward to the end of backward ("default": not resharded after forward; "always": gathered again for
     # backward), and its unsharded grads, cast to the reduce dtype, wait for their reduce-scatter at the end.
-    root = fsdp_root_numel.reshape(R, N, T).sum(axis=1, keepdims=True).repeat(N, axis=1).reshape(-1)
+    P = dims.pp  # every stage's ranks alike (this part placed on each)
+    root = fsdp_root_numel.reshape(P, R, N, T).sum(axis=2, keepdims=True).repeat(N, axis=2).reshape(-1)
     root_unsharded = root * (e_param + e_reduce)
     base = resident + transient + root_unsharded  # per rank; the activations are the same on every rank
-    estimate = activation_estimate(spec, model, cfg, T)
+    estimate = pipeline_activations(spec, model, cfg, dims, pp_rank)
     activations = estimate.total if estimate is not None else 0.0
     peak = base + activations
     memory = {

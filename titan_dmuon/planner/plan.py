@@ -18,8 +18,10 @@ import torch.distributed as dist
 from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec, model_vocab_size
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.dtypes import to_dtype
 from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.parallel.layout import describe_layout
+from titan_dmuon.parallel.pipeline import keep_stages, plan_stages, stage_ids, stage_slices
 
 from .communication import CommSettings, bytes_per_step, moe_all_to_all
 from .lpt import plan_lpt
@@ -49,8 +51,11 @@ def _vocab_size(cfg: JobConfig, spec: ModelSpec) -> tuple[int | None, str]:
         raise ConfigError(f"model.tokenizer: {e} (the dry run needs the vocabulary size)") from None
 
 
-def build_on_fake_world(cfg: JobConfig, world_size: int) -> tuple[torch.nn.Module, ModelSpec, ParallelDims, dict]:
-    """Rank 0 of a fake world: the meta model with the real TP / DMuon / FSDP2 placement (the trainer's code)."""
+def build_on_fake_world(
+    cfg: JobConfig, world_size: int, pp_rank: int = 0
+) -> tuple[torch.nn.Module, ModelSpec, ParallelDims, dict]:
+    """Rank 0 of a fake world: the meta model with the real TP / DMuon / FSDP2 placement (the trainer's code); under
+    a pipeline, the part pp rank `pp_rank` holds (`build_part` builds the others' on the same world)."""
     if cfg.optimizer.name != "dmuon":
         raise ConfigError(
             f"job.dry_run plans DMuon runs (optimizer.name = 'dmuon'), got {cfg.optimizer.name!r}: its tables put "
@@ -72,12 +77,25 @@ def build_on_fake_world(cfg: JobConfig, world_size: int) -> tuple[torch.nn.Modul
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     model = build_meta_model(spec, cfg, vocab)
     nparams, flops_per_token = spec.nparams_and_flops(model, cfg.training.seq_len)
-    model = parallelize(model, dims, mesh, cfg, spec, component)
-    info = {"params": nparams, "flops_per_token": flops_per_token, "vocab": vocab_source}
-    return model, spec, dims, info
+    info = {"params": nparams, "flops_per_token": flops_per_token, "vocab": vocab_source, "vocab_size": vocab}
+    return build_part(cfg, spec, dims, vocab, pp_rank, component), spec, dims, info
+
+
+def build_part(
+    cfg: JobConfig, spec: ModelSpec, dims: ParallelDims, vocab: int | None, pp_rank: int, component=None
+) -> torch.nn.Module:
+    """The parallelized meta model of pp rank `pp_rank`'s stages (the whole model without a pipeline), on the fake
+    world `build_on_fake_world` made: every stage's ranks are laid out alike, so rank 0's meshes place any stage."""
+    model = build_meta_model(spec, cfg, vocab)
+    if dims.pp_enabled:
+        stages = plan_stages(cfg, len(spec.blocks(model)))
+        ids = stage_ids(pp_rank, dims.pp, len(stages), cfg.parallelism.pipeline_parallel_schedule)
+        keep_stages(model, stage_slices(stages, ids))
+    component = component or build_optimizer_component(cfg, spec)
+    return parallelize(model, dims, dims.meshes.world, cfg, spec, component)
 
 
 def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
@@ -86,6 +104,10 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     model, spec, dims, info = build_on_fake_world(cfg, world_size)
     memory, capacity, placement = plan_memory(model, spec, dims, cfg)
+    pipeline = None
+    if dims.pp_enabled:  # every pp rank's part planned; the sections below are the largest one's
+        pipeline, worst = plan_pipeline(cfg, spec, dims, info["vocab_size"], model, (memory, capacity, placement))
+        model, (memory, capacity, placement) = worst
     lpt = plan_lpt(model, spec, cfg, placement)
     comm = bytes_per_step(placement, CommSettings.from_config(cfg))
     comm["moe_all_to_all"] = moe_all_to_all(model, spec, cfg, dims, placement.param_itemsize)
@@ -98,7 +120,7 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
             "params": info["params"],
             "vocab": info["vocab"],
             "world_size": W,
-            "mesh": {"replicate": dims.dp_replicate, "shard": dims.dp_shard, "tp": dims.tp},
+            "mesh": {"pp": dims.pp, "replicate": dims.dp_replicate, "shard": dims.dp_shard, "tp": dims.tp},
             "expert_parallel": ep,
             "local_batch_size": t.local_batch_size,
             "seq_len": t.seq_len,
@@ -114,8 +136,67 @@ def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
         "capacity": capacity,
         "lpt": lpt,
         "bytes_per_step": comm,
+        "pipeline": pipeline,
         "planner": {"seconds": elapsed, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
     }
+
+
+def plan_pipeline(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims, vocab, first, first_plan) -> tuple[dict, tuple]:
+    """Every pp rank's part planned (its stages, modules, peak, activations and the microbatches they hold, the
+    bytes it sends its neighbours, DMuon's bytes), the schedule's bubble, and the largest part with its plan."""
+    from .pipeline import bubble_fraction, in_flight, p2p_bytes
+
+    p, t = cfg.parallelism, cfg.training
+    schedule, mb = p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size
+    stages = plan_stages(cfg, len(spec.blocks(build_meta_model(spec, cfg, vocab))))
+    v, m = len(stages) // dims.pp, t.local_batch_size * t.gradient_accumulation_steps // mb
+    length = t.seq_len // dims.tp if dims.tp > 1 else t.seq_len
+    dim = int(first.args.dim)
+    activation = mb * length * dim * to_dtype(t.mixed_precision_param).itemsize  # per microbatch and boundary
+    settings = CommSettings.from_config(cfg)
+    ranks, worst, worst_peak = [], None, -1.0
+    for r in range(dims.pp):
+        model = first if r == 0 else build_part(cfg, spec, dims, vocab, r)
+        planned = first_plan if r == 0 else plan_memory(model, spec, dims, cfg, pp_rank=r)
+        memory, capacity, placement = planned
+        peak = float(memory["peak_estimate"]["max"])
+        comm = bytes_per_step(placement, settings)
+        dmuon_bytes = float(comm["dmuon_total_bytes"]["max"])
+        if placement.z3:  # Z3 frees a group after each microbatch's forward: broadcast again per microbatch
+            dmuon_bytes += (m - 1) * float(comm["dmuon_bytes"].get("broadcast", {"max": 0.0})["max"])
+        ids = stage_ids(r, dims.pp, len(stages), schedule)
+        ranks.append(
+            {
+                "pp_rank": r,
+                "stages": {str(i): stages[i] for i in ids},
+                "peak_bytes": peak,
+                "activations_bytes": float((memory["activations_estimate"] or {"max": 0.0})["max"]),
+                "microbatches_in_flight": in_flight(schedule, dims.pp, r, m, v),
+                "p2p_send_bytes": p2p_bytes(schedule, dims.pp, len(stages), r, m, activation),
+                "dmuon_bytes": dmuon_bytes,
+                "muon_matrices": len(placement.matrices),
+            }
+        )
+        if peak > worst_peak:
+            worst, worst_peak = (model, planned), peak
+            capacity["rank"] = r * dims.stage_size + capacity["rank"] % dims.stage_size  # in that stage's ranks
+    summary = {
+        "schedule": schedule,
+        "stages": len(stages),
+        "stages_per_rank": v,
+        "microbatches": m,
+        "microbatch_size": mb,
+        "bubble_fraction": bubble_fraction(schedule, dims.pp, m, v),
+        "activation_bytes_per_microbatch": activation,
+        "ranks": ranks,
+        "warnings": [
+            f"{m} microbatches for {len(stages)} stages: torch's schedules need at least as many microbatches as "
+            "stages (raise training.local_batch_size or lower parallelism.pipeline_parallel_microbatch_size)"
+        ]
+        if m < len(stages)
+        else [],
+    }
+    return summary, worst
 
 
 def tp_alternatives(cfg: JobConfig, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,7 +238,8 @@ def check_device_memory(
     returns the largest over the job's ranks (an all-reduce), so that every rank decides alike: above 90% a
     warning; above 100% a ConfigError on every rank (the one that does not fit names its largest terms and the
     changes that would fit), or only a warning with `job.check_device_memory = false`."""
-    memory, capacity, _ = plan_memory(model, spec, dims, cfg, device_bytes=free, rank=rank)
+    pp_rank = rank // dims.stage_size
+    memory, capacity, _ = plan_memory(model, spec, dims, cfg, device_bytes=free, rank=rank, pp_rank=pp_rank)
     peak = capacity["peak_bytes"]
     worst = worst_of_ranks(peak / free)
     mine = f"{peak / GIB:.1f} GiB planned on rank {rank}, {free / GIB:.1f} GiB free on its GPU"

@@ -36,6 +36,43 @@ def format_capacity(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_pipeline(pipe: dict[str, Any] | None) -> list[str]:
+    """The pipeline section: the schedule, its bubble, and per pp rank its stages, peak, activations (with the
+    microbatches in flight), what it sends its neighbours and DMuon's bytes."""
+    if not pipe:
+        return []
+    lines = [
+        "",
+        f"Pipeline {pipe['schedule']}: {pipe['stages']} stages ({pipe['stages_per_rank']} per rank), "
+        f"{pipe['microbatches']} microbatches of {pipe['microbatch_size']} rows a step, bubble "
+        f"{100 * pipe['bubble_fraction']:.1f}% (equal stages; docs/training.md), "
+        f"{pipe['activation_bytes_per_microbatch'] / MIB:.2f} MiB per microbatch and stage boundary",
+        f"  {'pp rank: stages (modules)':<58} {'peak':>9} {'activations (in flight)':>24} {'p2p sent':>10} "
+        f"{'DMuon':>9}",
+    ]
+    for r in pipe["ranks"]:
+        held = "; ".join(f"{i}: {_modules(mods)}" for i, mods in r["stages"].items())
+        lines.append(
+            f"  {r['pp_rank']:>3}: {held[:52]:<53} {r['peak_bytes'] / GIB:7.2f} G "
+            f"{r['activations_bytes'] / GIB:9.2f} G ({r['microbatches_in_flight']:5.2f} mb) "
+            f"{r['p2p_send_bytes'] / GIB:8.3f} G {r['dmuon_bytes'] / GIB:7.3f} G"
+            + ("  no Muon matrix" if r["muon_matrices"] == 0 else "")
+        )
+    lines += [f"  WARNING: {w}" for w in pipe.get("warnings", [])]
+    return lines
+
+
+def _modules(mods: list[str]) -> str:
+    """A stage's modules in short: its blocks as a range, the embedding and the head by name."""
+    blocks = [int(m.split(".")[1]) for m in mods if m.startswith("layers.")]
+    out = ["embed"] if "tok_embeddings" in mods else []
+    if blocks:
+        out.append(f"layers {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"layer {blocks[0]}")
+    if "output" in mods:
+        out.append("head")
+    return ", ".join(out)
+
+
 def _row(label: str, s: dict | None, scale: float, unit: str, width: int = 46) -> str:
     if s is None:
         return f"  {label:<{width}} {'(no estimate for this family)':>36}"
@@ -46,16 +83,19 @@ def format_plan(p: dict[str, Any]) -> str:
     c, mem, lpt, comm = p["config"], p["memory_bytes"], p["lpt"], p["bytes_per_step"]
     mesh, ep = c["mesh"], c.get("expert_parallel")
     in_shard = f" (efsdp {ep['efsdp']} x ep {ep['ep']})" if ep else ""
+    pp = f"pp {mesh['pp']} x " if mesh.get("pp", 1) > 1 else ""
     lines = [
-        f"Dry run: {c['model']}, {c['params']:,} params (vocab: {c['vocab']}), world {c['world_size']} = replicate "
+        f"Dry run: {c['model']}, {c['params']:,} params (vocab: {c['vocab']}), world {c['world_size']} = {pp}replicate "
         f"{mesh['replicate']} x shard {mesh['shard']}{in_shard} x tp {mesh['tp']} (fake process group, meta tensors)",
         f"  micro-batch {c['local_batch_size']} x {c['seq_len']} tokens per DP rank, AC {c['activation_checkpoint']}, "
         f"params {c['param_dtype']} / reduce {c['reduce_dtype']}, DMuon-{c['dmuon_mode']}, "
         f"FSDP2 reshard {c['fsdp_reshard_after_forward']}" + (", loss parallel" if c["loss_parallel"] else ""),
         "",
         p["layout"],
+        *format_pipeline(p.get("pipeline")),
         "",
-        f"  {'memory per rank':<46} {'min':>10} {'median':>11} {'max':>11}",
+        f"  {'memory per rank':<46} {'min':>10} {'median':>11} {'max':>11}"
+        + ("  (the largest pipeline stage's ranks)" if p.get("pipeline") else ""),
     ]
     unit, scale = ("GiB", GIB) if mem["peak_estimate"]["max"] >= GIB else ("MiB", MIB)
     labels = [

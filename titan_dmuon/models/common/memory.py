@@ -116,11 +116,11 @@ def activation_estimate(
     norm_local = (4 * h + 4 + e * h) / s + e * h / s  # an RMSNorm whose output is read locally (the MoE's)
     dense = tokens * (2 * norm_bytes(h, e, s) + (qk_norms + attention) / s + 4 * e * f / s)
     moes = moe_layers(model)  # every MoE layer of a model has the same shapes
-    layers, n_moe = a.n_layers, len(moes)
+    layers, n_moe = len(model.layers), len(moes)  # a pipeline stage's part holds some of the blocks
     moe = kept_moe = 0.0
     if moes:
         moe = tokens * (norm_bytes(h, e, s) + norm_local + (qk_norms + attention + moe_bytes(moes[0], h, e)) / s)
-    block = (dense * (layers - n_moe) + moe * n_moe) / layers
+    block = (dense * (layers - n_moe) + moe * n_moe) / max(layers, 1)
     chosen, per_op = ac_plan(ac_mode, ac_option, layers)  # the blocks apply_ac checkpoints
     checkpointed = len(chosen)
     if per_op:
@@ -131,20 +131,21 @@ def activation_estimate(
         kept_dense = attn_kept + tokens * (e * f / s + e * h)
         if moes:
             kept_moe = attn_kept + tokens * e * moe_kept_bytes(moes[0], h) / s
-        kept = (kept_dense * (layers - n_moe) + kept_moe * n_moe) / layers
+        kept = (kept_dense * (layers - n_moe) + kept_moe * n_moe) / max(layers, 1)
         recompute = max(dense - kept_dense if n_moe < layers else 0.0, moe - kept_moe if n_moe else 0.0)
     else:
         kept = tokens * e * h / s if checkpointed else 0.0
         recompute = max(dense if n_moe < layers else 0.0, moe if n_moe else 0.0) - kept
     lp = s if loss_parallel else 1
-    head = tokens * (norm_bytes(h, e, s) + 4 * vocab / lp + 8)
+    has_head = getattr(model, "output", None) is not None  # a pipeline stage before the last has none
+    head = tokens * (norm_bytes(h, e, s) + 4 * vocab / lp + 8) if has_head else 0.0
     return ActivationEstimate(
         block=block,
         checkpointed_block=kept,
         checkpointed=checkpointed,
         layers=layers,
         head=head,
-        head_backward=tokens * (4 + e) * vocab / lp,
+        head_backward=tokens * (4 + e) * vocab / lp if has_head else 0.0,
         recompute=recompute if checkpointed else 0.0,
     )
 
