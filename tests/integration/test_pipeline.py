@@ -216,3 +216,38 @@ def test_pp2_validation_ac_accumulation_and_export_generate(tmp_path) -> None:
     hf = next((tmp_path / "pp" / "checkpoint").glob("*hf*"))
     _, tokens = _transformers(hf)
     assert _generate_py(step) == tokens
+
+
+def test_a_stop_signal_on_one_stage_stops_both_after_the_same_step(tmp_path) -> None:
+    """SIGTERM on pp rank 1 alone as its step 3 begins: both stages stop after step 3 (the stop flag rides the
+    step's all-reduce over every rank), save step-3 and report 143; the checkpoint then resumes on one process to the
+    losses of a straight pp2 run that never stopped (within 1e-5)."""
+    import os
+
+    from tests._dist import run_script
+    from tests.integration.test_preemption import _SIGNAL_ONE_RANK
+    from tests.train_runs import REPO
+
+    status = tmp_path / "status"
+    status.mkdir()
+    wrapper = tmp_path / "signal_one_rank.py"
+    wrapper.write_text(_SIGNAL_ONE_RANK)
+    layout = _pp(2, "1F1B")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SIGNAL_RANK": "1",
+        "SIGNAL_STEP": "3",
+        "TRAIN_PY": str(REPO / "train.py"),
+        "TITAN_DMUON_STATUS_DIR": str(status),
+    }
+    argv = _argv(tmp_path / "run", *layout, "--checkpoint.enable", "true", "--checkpoint.interval", "100")
+    proc = run_script(2, str(wrapper), argv, cwd=str(REPO), env=env, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in text, text[-4000:]
+    assert {p.name: p.read_text() for p in status.glob("rank-*")} == {"rank-0": "143\n\n", "rank-1": "143\n\n"}
+    assert [p.name for p in (tmp_path / "run" / "checkpoint").iterdir()] == ["step-3"]
+    straight = _train(2, tmp_path / "straight", *layout)
+    resumed = _train(1, tmp_path / "run", "--checkpoint.enable", "true", "--checkpoint.interval", "100")
+    tail_of = {tag: {s: v for s, v in values.items() if s > 3} for tag, values in straight.items()}
+    assert_same_run({t: {s: v for s, v in resumed[t].items() if s > 3} for t in resumed}, tail_of, rtol=1e-5)
