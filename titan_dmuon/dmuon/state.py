@@ -258,20 +258,7 @@ class DMuonState:
         """End of backward `task`: reduce the groups that entered it and whose post-backward did not reduce them
         (in group order, the same on every rank), drain both reduce stages, end those groups' backward."""
         self._callbacks.discard(task)
-        entered = [g for g in self.groups if g._task == task]
-        for g in entered:
-            g.reduce_grads()
-        while self._pending:
-            self._start_stage2(*self._pending.pop(0))
-        while self._stage2:
-            self._finish_stage2(*self._stage2.pop(0))
-        accumulated, self._accumulated = self._accumulated, Work()
-        accumulated.wait()  # compute: the owners' reduced grads are complete
-        for g in entered:
-            g.end_backward()
-            if self.mode == "fsdp" and self.reshard_after_backward:
-                g.reshard()
-        self._backward_ended = True
+        self._reduce_and_end([g for g in self.groups if g._task == task])
 
     def reduce_now(self) -> None:
         """Reduce every group's grads accumulated so far (under `no_sync`), outside any backward: in group order,
@@ -281,18 +268,24 @@ class DMuonState:
         if not self.sync_grads:
             raise RuntimeError("dmuon.reduce_grads inside no_sync: leave the no_sync block first")
         for g in self.groups:
-            g._reduced = False
+            g._reduced = False  # reduced (skipped) under no_sync in the schedule's backwards: now for real
+        self.reshard_after_backward = True
+        self._reduce_and_end(self.groups)
+
+    def _reduce_and_end(self, groups: list[DedicatedParamGroup]) -> None:
+        """Reduce `groups` not reduced yet (in order), drain both reduce stages (compute then has the owners'
+        reduced grads), end their backward and free their buffers (Z2/Z3; not while a schedule holds them)."""
+        for g in groups:
             g.reduce_grads()
         while self._pending:
             self._start_stage2(*self._pending.pop(0))
         while self._stage2:
             self._finish_stage2(*self._stage2.pop(0))
         accumulated, self._accumulated = self._accumulated, Work()
-        accumulated.wait()
-        self.reshard_after_backward = True
-        for g in self.groups:
+        accumulated.wait()  # compute: the owners' reduced grads are complete
+        for g in groups:
             g.end_backward()
-            if self.mode == "fsdp":
+            if self.mode == "fsdp" and self.reshard_after_backward:
                 g.reshard()
         self._backward_ended = True
 
