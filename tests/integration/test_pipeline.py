@@ -6,10 +6,13 @@ rows into microbatches (each a mean over its tokens divided by their number), an
 mean over the same rows. The reference is train.py without any pipeline, 1 process: none of the pipeline code
 runs there.
 
-  pp2 x fsdp2 (GPipe, 1F1B), pp2 x tp2 (1F1B), pp4 (1F1B: 4 stages of one unit, the first (embedding) and the
-  last (norm + head) without any Muon matrix), pp2 x fsdp2 with 2 stages per rank on each multi-stage schedule
-  (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), dmuon == muon_naive under pp2,
-  an explicit split, the MoE debug model under pp2 x ep2, and the configuration errors.
+  pp2 x fsdp2 (GPipe, 1F1B, DMuon Z3 and Z2), pp2 x tp2 (1F1B), pp4 (1F1B: 4 stages of one unit, the first
+  (embedding) and the last (norm + head) without any Muon matrix), pp2 x fsdp2 with 2 stages per rank on each
+  multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); Z2's
+  broadcast bytes independent of the microbatch count; dmuon == muon_naive under pp2; an explicit split whose
+  first stage has no Muon matrix; the Qwen3 MoE model under pp2 x ep2 against its single process (losses, aux loss,
+  every layer's load); checkpoints across pipeline degrees (bitwise on pp2); validation, AC, accumulation, the
+  Hugging Face export and generate.py under pp2; a stop signal on one stage; the configuration errors.
 """
 
 from __future__ import annotations
@@ -63,12 +66,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=() if k == "pp2_fsdp2_1F1B" else pytest.mark.slow) for k in LAYOUTS]
+)
 def test_pipeline_matches_single_process(tmp_path, reference, layout) -> None:
     scalars = _train(4, tmp_path, *LAYOUTS[layout])
     assert_same_run(scalars, reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dmuon_z2_broadcasts_once_per_step_whatever_the_microbatches(tmp_path) -> None:
     """Under a pipeline DMuon keeps each group's broadcast buffer for the whole step (Z2): 4 microbatches of one row
     broadcast the bytes 2 microbatches of 2 rows do, one packed broadcast per group and step (per microbatch, the
@@ -80,6 +86,7 @@ def test_dmuon_z2_broadcasts_once_per_step_whatever_the_microbatches(tmp_path) -
     assert got == want and min(want.values()) > 0
 
 
+@pytest.mark.slow
 def test_dmuon_equals_muon_naive_under_pp2(tmp_path) -> None:
     """The same pipeline with Muon the naive way (FSDP2 gathers every grad, every rank runs NS): DMuon's
     stage-local owners change nothing of the update."""
@@ -89,6 +96,7 @@ def test_dmuon_equals_muon_naive_under_pp2(tmp_path) -> None:
     assert_same_run(naive, dmuon, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_explicit_split_with_a_stage_without_muon_matrices(tmp_path, reference) -> None:
     """module_fqns_per_model_part: stage 0 holds the embedding only (no Muon matrix: AdamW alone on rank 0, which
     still takes part in DMuon's set-up and norm collectives), stage 1 the rest."""
@@ -116,6 +124,7 @@ def moe_reference(tmp_path_factory):
 MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
 
 
+@pytest.mark.slow
 def test_moe_pp2_ep2_matches_single_process_and_reports_every_layer(tmp_path, moe_reference) -> None:
     """Qwen3 MoE (tied embedding: a V schedule puts the first and the last stage on one rank) on pp2 x fsdp2 with
     the experts split over ep2: the losses of the single process, and the load metrics count all 4 layers of
@@ -148,6 +157,7 @@ def _tail_of(scalars) -> dict[str, dict[int, float]]:
     return {tag: {s: v for s, v in values.items() if s > 4} for tag, values in scalars.items()}
 
 
+@pytest.mark.slow
 def test_pp2_checkpoint_resumes_on_pp2_fsdp4_and_one_process(tmp_path, reference) -> None:
     """A pp2 x fsdp2 run saves at steps 4 and 8 (and trains as a straight pp2 run that never saves, bitwise); its
     step-4 checkpoint (keyed by the whole model's FQNs, each stage's ranks writing their modules) resumes bitwise
@@ -199,6 +209,7 @@ FEATURES = ("--activation_checkpoint.mode", "full", "--training.local_batch_size
 ACCUM = ("--training.gradient_accumulation_steps", "2")
 
 
+@pytest.mark.slow
 def test_pp2_validation_ac_accumulation_and_export_generate(tmp_path) -> None:
     """pp2 on 2 ranks with validation, full activation checkpointing and 2 accumulation micro-batches (8
     microbatches of the pipeline a step): the training and validation losses of one process with the same settings,
@@ -218,6 +229,7 @@ def test_pp2_validation_ac_accumulation_and_export_generate(tmp_path) -> None:
     assert _generate_py(step) == tokens
 
 
+@pytest.mark.slow
 def test_a_stop_signal_on_one_stage_stops_both_after_the_same_step(tmp_path) -> None:
     """SIGTERM on pp rank 1 alone as its step 3 begins: both stages stop after step 3 (the stop flag rides the
     step's all-reduce over every rank), save step-3 and report 143; the checkpoint then resumes on one process to the
