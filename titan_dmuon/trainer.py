@@ -152,12 +152,19 @@ class Trainer:
             ids = stage_ids(pp_rank, self.dims.pp, len(self._stages), cfg.parallelism.pipeline_parallel_schedule)
             self._slices = stage_slices(self._stages, ids)
             keep_stages(model, self._slices)
+            schedule = cfg.parallelism.pipeline_parallel_schedule
+            where = [stage_ids(r, self.dims.pp, len(self._stages), schedule) for r in range(self.dims.pp)]
             logger.info(
-                "Pipeline %s: %d stages; this rank (pp %d) holds %s",
-                cfg.parallelism.pipeline_parallel_schedule,
+                "Pipeline %s: %d stages over %d pp ranks: %s",
+                schedule,
                 len(self._stages),
-                pp_rank,
-                "; ".join(f"stage {s.index}: {', '.join(self._stages[s.index])}" for s in self._slices),
+                self.dims.pp,
+                "; ".join(
+                    f"stage {i} on pp {r}: {', '.join(self._stages[i])}"
+                    for i in range(len(self._stages))
+                    for r, ids in enumerate(where)
+                    if i in ids
+                ),
             )
         logger.info(
             "Model %s/%s: %s params, %.3g training FLOPs/token",

@@ -75,6 +75,15 @@ def test_pipeline_matches_single_process(tmp_path, reference, layout) -> None:
 
 
 @pytest.mark.slow
+def test_qwen3_dualpipev_matches_single_process(tmp_path) -> None:
+    """The Qwen3 tinymodel (q/k norms, tied embedding: DualPipeV puts the first and the last stage on pp rank 0) on
+    pp2 x fsdp2 against its single process."""
+    qwen3 = ("--model.name", "qwen3")
+    want = _train(1, tmp_path / "one", *qwen3)
+    assert_same_run(_train(4, tmp_path / "pp", *qwen3, *_pp(2, "DualPipeV", *FSDP2)), want, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_dmuon_z2_broadcasts_once_per_step_whatever_the_microbatches(tmp_path) -> None:
     """Under a pipeline DMuon keeps each group's broadcast buffer for the whole step (Z2): 4 microbatches of one row
     broadcast the bytes 2 microbatches of 2 rows do, one packed broadcast per group and step (per microbatch, the
