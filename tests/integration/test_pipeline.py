@@ -57,6 +57,16 @@ LAYOUTS = {
     "pp2_fsdp2_1F1B": _pp(2, "1F1B", *FSDP2),
     "pp2_fsdp2_GPipe": _pp(2, "GPipe", *FSDP2),
     "pp2_tp2_1F1B": _pp(2, "1F1B", "--parallelism.tensor_parallel_degree", "2"),
+    "pp2_hsdp2x1_1F1B": _pp(
+        2,
+        "1F1B",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.local_batch_size",
+        "4",
+    ),
     "pp4_1F1B": _pp(4, "1F1B"),
     "pp2_fsdp2_1F1B_dmuon_Z2": _pp(2, "1F1B", *FSDP2, "--optimizer.dmuon.reshard_after_forward", "false"),
     **{
