@@ -270,7 +270,7 @@ def test_a_larger_tp_degree_is_planned_anew(tmp_path) -> None:
     argv += ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
     argv += ["--job.dry_run_device_memory_gib", "1000"]  # the peak does not depend on the device; this one fits
     planned, _ = dry_run(argv, 8, tmp_path / "tp2.json")
-    assert planned["config"]["mesh"] == {"replicate": 1, "shard": 4, "tp": 2}
+    assert planned["config"]["mesh"] == {"pp": 1, "replicate": 1, "shard": 4, "tp": 2}
     assert tp2["peak_bytes"] == pytest.approx(planned["capacity"]["peak_bytes"], rel=1e-12)
 
 

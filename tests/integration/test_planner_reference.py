@@ -106,7 +106,7 @@ def test_planner_totals_equal_the_bytes_counted_from_the_model(tmp_path, layout)
 
     replicate, shard = LAYOUTS[layout]
     plan = _plan(tmp_path, replicate)
-    assert plan["config"]["mesh"] == {"replicate": replicate, "shard": shard, "tp": 1}
+    assert plan["config"]["mesh"] == {"pp": 1, "replicate": replicate, "shard": shard, "tp": 1}
     mem, comm = plan["memory_bytes"], plan["bytes_per_step"]
     want = _expected(replicate, shard, plan["lpt"]["owners"])
     assert sum(mem["muon_momentum"]["per_rank"]) == want["momentum_sum"]

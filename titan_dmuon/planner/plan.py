@@ -205,7 +205,7 @@ def tp_alternatives(cfg: JobConfig, result: dict[str, Any]) -> list[dict[str, An
     mesh, device = result["config"]["mesh"], cfg.job.dry_run_device_memory_gib * GIB
     world, out = result["config"]["world_size"], []
     tp = mesh["tp"] * 2
-    while tp <= cfg.job.dry_run_gpus_per_node and world % (tp * mesh["replicate"]) == 0:
+    while tp <= cfg.job.dry_run_gpus_per_node and world % (tp * mesh["replicate"] * mesh.get("pp", 1)) == 0:
         par = dataclasses.replace(cfg.parallelism, tensor_parallel_degree=tp, data_parallel_shard_degree=-1)
         change = f"--parallelism.tensor_parallel_degree {tp}"
         try:
