@@ -45,7 +45,14 @@ from titan_dmuon.data import DataError, build_tokenizer
 from titan_dmuon.dtypes import to_dtype
 from titan_dmuon.parallel import ParallelDims, parallelize
 from titan_dmuon.parallel.layout import check_node_layout, describe_layout
-from titan_dmuon.parallel.pipeline import Pipeline, keep_stages, plan_stages, stage_ids, stage_slices
+from titan_dmuon.parallel.pipeline import (
+    Pipeline,
+    describe_stages,
+    keep_stages,
+    plan_stages,
+    stage_ids,
+    stage_slices,
+)
 from titan_dmuon.parallel.preemption import StopRequested, StopSignals
 from titan_dmuon.parallel.runtime import DistributedRuntime, ranks_per_node
 
@@ -152,20 +159,7 @@ class Trainer:
             ids = stage_ids(pp_rank, self.dims.pp, len(self._stages), cfg.parallelism.pipeline_parallel_schedule)
             self._slices = stage_slices(self._stages, ids)
             keep_stages(model, self._slices)
-            schedule = cfg.parallelism.pipeline_parallel_schedule
-            where = [stage_ids(r, self.dims.pp, len(self._stages), schedule) for r in range(self.dims.pp)]
-            logger.info(
-                "Pipeline %s: %d stages over %d pp ranks: %s",
-                schedule,
-                len(self._stages),
-                self.dims.pp,
-                "; ".join(
-                    f"stage {i} on pp {r}: {', '.join(self._stages[i])}"
-                    for i in range(len(self._stages))
-                    for r, ids in enumerate(where)
-                    if i in ids
-                ),
-            )
+            logger.info("%s", describe_stages(self._stages, self.dims.pp, cfg.parallelism.pipeline_parallel_schedule))
         logger.info(
             "Model %s/%s: %s params, %.3g training FLOPs/token",
             cfg.model.name,
@@ -348,28 +342,22 @@ class Trainer:
         # [the loss, whether this rank got a stop signal]: one all-reduce gives every rank both.
         loss_sum = torch.zeros(2, dtype=torch.float32, device=self.device)
         ntokens = 0
-        if self.pipeline is not None:  # the accumulation micro-batches are the schedule's microbatches
-            batches = [next(data_iter) for _ in range(accum)]
-            inputs = torch.cat([b[0] for b in batches]).to(self.device)
-            labels = torch.cat([b[1] for b in batches]).to(self.device)
-            with self.optimizer_component.no_sync(), self._loss_parallel():
-                loss = self.pipeline.step(inputs, labels)
-            self.optimizer_component.reduce_grads()
-            if loss is not None:  # the last stage's ranks
-                loss_sum[0] += loss
-            ntokens = labels.numel()
-        for i in range(accum if self.pipeline is None else 0):
-            inputs, labels = next(data_iter)
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            # No gradient communication on the micro-batches before the last one (grad accumulation).
-            with (
-                self.optimizer_component.no_sync() if i < accum - 1 else contextlib.nullcontext(),
-                self._loss_parallel(),
-            ):
-                loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
-                loss.backward()
-            loss_sum[0] += loss.detach()
-            ntokens += labels.numel()
+        if self.pipeline is not None:
+            loss, ntokens = self._pipeline_step(data_iter, accum)
+            loss_sum[0] += loss
+        else:
+            for i in range(accum):
+                inputs, labels = next(data_iter)
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                # No gradient communication on the micro-batches before the last one (grad accumulation).
+                with (
+                    self.optimizer_component.no_sync() if i < accum - 1 else contextlib.nullcontext(),
+                    self._loss_parallel(),
+                ):
+                    loss = self._loss(inputs, labels) / accum  # mean over tokens; the grads sum to the mean
+                    loss.backward()
+                loss_sum[0] += loss.detach()
+                ntokens += labels.numel()
         grad_norm = self.optimizer_component.clip_grad_norm_(self.max_norm)  # global: the same on every rank
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks (under a pipeline
         # only the last stage's ranks, one stage's worth, hold one). A stop signal is sampled here, on every rank
@@ -391,6 +379,18 @@ class Trainer:
         if self.has_moe:
             self._moe_scalars = self._moe_after_step()
         return loss_value, norm_value, ntokens
+
+    def _pipeline_step(self, data_iter, accum: int) -> tuple[torch.Tensor, int]:
+        """The forwards and backwards of a step under a pipeline: the accumulation micro-batches' rows are the
+        schedule's microbatches, every backward without gradient communication, then one reduce of the grads.
+        Returns (the step's mean loss on the last stage's ranks, 0 elsewhere; the tokens this rank fed)."""
+        batches = [next(data_iter) for _ in range(accum)]
+        inputs = torch.cat([b[0] for b in batches]).to(self.device)
+        labels = torch.cat([b[1] for b in batches]).to(self.device)
+        with self.optimizer_component.no_sync(), self._loss_parallel():
+            loss = self.pipeline.step(inputs, labels)
+        self.optimizer_component.reduce_grads()
+        return (loss if loss is not None else torch.zeros((), device=self.device)), labels.numel()
 
     def _moe_after_step(self) -> dict[str, torch.Tensor]:
         """A Mixture-of-Experts model's step: every rank's tokens per expert summed (one all-reduce of the

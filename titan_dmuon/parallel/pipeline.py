@@ -134,6 +134,13 @@ def stage_ids(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int
     return list(range(pp_rank, num_stages, pp))
 
 
+def describe_stages(stages: list[list[str]], pp: int, schedule: str) -> str:
+    """One line: the schedule, and every stage with its pp rank and modules."""
+    where = {i: r for r in range(pp) for i in stage_ids(r, pp, len(stages), schedule)}
+    listed = "; ".join(f"stage {i} on pp {where[i]}: {', '.join(mods)}" for i, mods in enumerate(stages))
+    return f"Pipeline {schedule}: {len(stages)} stages over {pp} pp ranks: {listed}"
+
+
 @dataclass(frozen=True)
 class StageSlice:
     """What one stage runs of the model: its blocks (keys of `layers`), whether it embeds the tokens, whether it
@@ -369,6 +376,7 @@ __all__ = [
     "ZERO_BUBBLE_SCHEDULES",
     "Pipeline",
     "StageSlice",
+    "describe_stages",
     "fsdp_reduce_grads",
     "keep_stages",
     "plan_stages",
