@@ -204,6 +204,50 @@ class _StageView(nn.Module):
         return self._part[0](x, layers=s.layers, embed=s.embed, head=s.head)
 
 
+def held_by_schedule(
+    schedule: str, pp: int, rank: int, m: int, v: int, weights: dict[int, tuple[float, ...]] | None = None
+) -> tuple[float, ...] | None:
+    """What rank `rank` holds at once at its peak in torch's action list for `schedule`: a forward (F) holds its
+    stage-microbatch's activations until its full backward (B) or, split, its weight pass (W: the input pass I
+    leaves what W needs). With `weights` (stage -> a tuple of byte terms per microbatch) the terms at the peak of
+    their sum; else the number of stage-microbatches, as a 1-tuple. The list comes from the schedule class's own
+    planning method, on an instance built without stages or a process group (the attributes it reads); None if
+    that is not possible (GPipe and 1F1B have no such method: their closed forms are exact)."""
+    try:
+        from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
+
+        cls = get_schedule_class(schedule)
+        plan = cls.__new__(cls)
+        plan.pp_group_size, plan._n_microbatches, plan.n_local_stages, plan.num_stages = pp, m, v, v * pp
+        plan.number_of_rounds = max(1, m // pp)
+        plan.microbatches_per_round = m // plan.number_of_rounds
+        actions = plan._calculate_single_rank_operations(rank)
+    except Exception:  # noqa: BLE001 - a private method of torch's: the caller falls back to a closed form
+        return None
+    kinds = _ComputationType
+    live: set[tuple[int, int]] = set()
+    best: tuple[float, ...] = (0.0,)
+
+    def terms() -> tuple[float, ...]:
+        if weights is None:
+            return (float(len(live)),)
+        return tuple(sum(col) for col in zip(*(weights[s] for s, _ in live), strict=True)) if live else best
+
+    for action in actions:
+        if action is None:
+            continue
+        for a in getattr(action, "sub_actions", None) or (action,):
+            key = (a.stage_index, a.microbatch_index)
+            if a.computation_type == kinds.FORWARD:
+                live.add(key)
+                now = terms()
+                if sum(now) > sum(best):
+                    best = now
+            elif a.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_WEIGHT):
+                live.discard(key)
+    return best
+
+
 # ------------------------------------------------------------------------------------------- the schedule
 def fsdp_reduce_grads(model: nn.Module) -> None:
     """FSDP2's reduce-scatter of the grads accumulated with gradient sync off, outside a backward (what torch's
@@ -378,6 +422,7 @@ __all__ = [
     "StageSlice",
     "describe_stages",
     "fsdp_reduce_grads",
+    "held_by_schedule",
     "keep_stages",
     "plan_stages",
     "stage_ids",

@@ -11,77 +11,33 @@ same time (a full backward two forwards), and every stage is as fast as the othe
 
 from __future__ import annotations
 
-from titan_dmuon.parallel.pipeline import V_SCHEDULES
+from titan_dmuon.parallel.pipeline import V_SCHEDULES, held_by_schedule
 
 
 def in_flight(schedule: str, pp: int, rank: int, m: int, v: int) -> float:
     """Microbatches' activations rank `rank` keeps at its peak, in units of its whole part (v stages of a looped
     or V schedule count 1/v each): GPipe and LoopedBFS run every forward first (m); 1F1B warms up with pp - r
-    forwards; the other multi-stage schedules are counted off torch's own action list for the rank (`_held`),
+    forwards; the other multi-stage schedules are counted off torch's own action list for the rank (`held_by_schedule`),
     else, should torch's list be out of reach, Megatron's interleaved warm-up 2 (pp - r - 1) + (v - 1) pp + 1
     stage-microbatches."""
     if schedule in ("GPipe", "LoopedBFS"):
         return float(m)
     if schedule == "1F1B":
         return float(min(m, pp - rank))
-    held = _held(schedule, pp, rank, m, v)
+    held = held_by_schedule(schedule, pp, rank, m, v)
     if held is not None:
         return held[0] / v
     return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
-
-
-def _held(
-    schedule: str, pp: int, rank: int, m: int, v: int, weights: dict[int, tuple[float, ...]] | None = None
-) -> tuple[float, ...] | None:
-    """What rank `rank` holds at once at its peak in torch's action list for `schedule`: a forward (F) holds its
-    stage-microbatch's activations until its full backward (B) or, split, its weight pass (W: the input pass I
-    leaves what W needs). With `weights` (stage -> a tuple of byte terms per microbatch) the terms at the peak of
-    their sum; else the number of stage-microbatches, as a 1-tuple. The list comes from the schedule class's own
-    planning method, on an instance built without stages or a process group (the attributes it reads); None if
-    that is not possible (GPipe and 1F1B have no such method: their closed forms are exact)."""
-    try:
-        from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
-
-        cls = get_schedule_class(schedule)
-        plan = cls.__new__(cls)
-        plan.pp_group_size, plan._n_microbatches, plan.n_local_stages, plan.num_stages = pp, m, v, v * pp
-        plan.number_of_rounds = max(1, m // pp)
-        plan.microbatches_per_round = m // plan.number_of_rounds
-        actions = plan._calculate_single_rank_operations(rank)
-    except Exception:  # noqa: BLE001 - a private method of torch's: the caller falls back to a closed form
-        return None
-    kinds = _ComputationType
-    live: set[tuple[int, int]] = set()
-    best: tuple[float, ...] = (0.0,)
-
-    def terms() -> tuple[float, ...]:
-        if weights is None:
-            return (float(len(live)),)
-        return tuple(sum(col) for col in zip(*(weights[s] for s, _ in live), strict=True)) if live else best
-
-    for action in actions:
-        if action is None:
-            continue
-        for a in getattr(action, "sub_actions", None) or (action,):
-            key = (a.stage_index, a.microbatch_index)
-            if a.computation_type == kinds.FORWARD:
-                live.add(key)
-                now = terms()
-                if sum(now) > sum(best):
-                    best = now
-            elif a.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_WEIGHT):
-                live.discard(key)
-    return best
 
 
 def held_terms(
     schedule: str, pp: int, rank: int, m: int, stages: dict[int, tuple[float, float]]
 ) -> tuple[float, float]:
     """(blocks, head) activation bytes rank `rank` holds at its peak, given each of its stages' (blocks, head)
-    bytes per microbatch: torch's action list where the schedule has one (`_held`), else every stage times
+    bytes per microbatch: torch's action list where the schedule has one (`held_by_schedule`), else every stage times
     `in_flight` (GPipe, 1F1B, LoopedBFS: exact, one stage or all forwards first)."""
     v = len(stages)
-    held = None if schedule in ("GPipe", "1F1B", "LoopedBFS") else _held(schedule, pp, rank, m, v, stages)
+    held = None if schedule in ("GPipe", "1F1B", "LoopedBFS") else held_by_schedule(schedule, pp, rank, m, v, stages)
     if held is not None:
         return held[0], held[1]
     k = in_flight(schedule, pp, rank, m, v)

@@ -142,6 +142,12 @@ class _Component:
     def load_state_dict(self, sd):
         pass
 
+    def checkpoint_state_dict(self):  # no pipeline: the optimizer's own dict
+        return self.state_dict()
+
+    def load_checkpoint_state_dict(self, sd):
+        self.load_state_dict(sd)
+
 
 class _Loader:
     """One row of the global batch per rank (row = rank), never advanced."""
