@@ -405,7 +405,8 @@ class Trainer:
         # One row per layer of the whole model (a pipeline stage holds some of them), a last column flagging the
         # rows of MoE layers, and the aux loss summed over this rank's layers with their number: summed over every
         # rank, each layer's counts are its stage's ranks' and the aux loss is the mean over layers and ranks.
-        grid = torch.zeros(len(self._moe_rows_all), experts + 1, dtype=torch.float64, device=self.device)
+        n_rows = max([self.n_layers, *(r + 1 for r in self._moe_rows)])  # the whole model's layers
+        grid = torch.zeros(n_rows, experts + 1, dtype=torch.float64, device=self.device)
         rows = torch.tensor(self._moe_rows, dtype=torch.long, device=self.device)
         grid[rows, :experts] = local
         grid[rows, experts] = 1.0
@@ -426,13 +427,12 @@ class Trainer:
 
     def _moe_layer_rows(self) -> list[int]:
         """Each of this rank's MoE layers' row among the whole model's layers (its block index `layers.N`), in
-        `moe_layers` order; `_moe_rows_all` holds one row per layer of the whole model."""
+        `moe_layers` order."""
         names = {id(m): n for n, m in self.model.named_modules()}
         rows = []
         for i, layer in enumerate(moe_layers(self.model)):
             parts = names[id(layer)].split(".")
             rows.append(int(parts[1]) if parts[0] == "layers" and parts[1].isdigit() else i)
-        self._moe_rows_all = range(max([self.n_layers, *(r + 1 for r in rows)]))
         return rows
 
     # -------------------------------------------------------------------------------------------- loop

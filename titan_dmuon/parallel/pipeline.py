@@ -24,7 +24,6 @@ number of microbatches, so the grads sum to the mean over the step's rows, as ac
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,16 +31,11 @@ import torch
 import torch.nn as nn
 
 from titan_dmuon.config import ConfigError, JobConfig
-from titan_dmuon.config.job_config import PIPELINE_SCHEDULES
-
-logger = logging.getLogger(__name__)
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 """One stage per pp rank."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Two stages per pp rank in a V: rank r holds stages r and 2 pp - 1 - r (the first and the last on rank 0)."""
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split a stage's backward into its inputs' grads and, later, its weights'."""
 
 EMBED, NORM, HEAD = "tok_embeddings", "norm", "output"
 
@@ -134,9 +128,18 @@ def stage_ids(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int
     return list(range(pp_rank, num_stages, pp))
 
 
+def stage_ranks(schedule: str, pp: int, num_stages: int) -> list[int]:
+    """The pp rank of every stage (the inverse of `stage_ids`)."""
+    where = [0] * num_stages
+    for r in range(pp):
+        for i in stage_ids(r, pp, num_stages, schedule):
+            where[i] = r
+    return where
+
+
 def describe_stages(stages: list[list[str]], pp: int, schedule: str) -> str:
     """One line: the schedule, and every stage with its pp rank and modules."""
-    where = {i: r for r in range(pp) for i in stage_ids(r, pp, len(stages), schedule)}
+    where = stage_ranks(schedule, pp, len(stages))
     listed = "; ".join(f"stage {i} on pp {where[i]}: {', '.join(mods)}" for i, mods in enumerate(stages))
     return f"Pipeline {schedule}: {len(stages)} stages over {pp} pp ranks: {listed}"
 
@@ -309,8 +312,6 @@ class Pipeline:
         vocab: int,
         logits_mesh=None,
     ):
-        if schedule not in PIPELINE_SCHEDULES:
-            raise ConfigError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(PIPELINE_SCHEDULES)}")
         for what, n in (("local_batch_size x gradient_accumulation_steps", rows), ("local_batch_size", eval_rows)):
             if n % microbatch_size:
                 raise ConfigError(
@@ -417,7 +418,6 @@ class Pipeline:
 __all__ = [
     "SINGLE_STAGE_SCHEDULES",
     "V_SCHEDULES",
-    "ZERO_BUBBLE_SCHEDULES",
     "Pipeline",
     "StageSlice",
     "describe_stages",
@@ -426,6 +426,7 @@ __all__ = [
     "keep_stages",
     "plan_stages",
     "stage_ids",
+    "stage_ranks",
     "stage_slices",
     "stages_per_rank",
 ]

@@ -11,7 +11,7 @@ same time (a full backward two forwards), and every stage is as fast as the othe
 
 from __future__ import annotations
 
-from titan_dmuon.parallel.pipeline import V_SCHEDULES, held_by_schedule
+from titan_dmuon.parallel.pipeline import held_by_schedule, stage_ranks
 
 
 def in_flight(schedule: str, pp: int, rank: int, m: int, v: int) -> float:
@@ -64,13 +64,6 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int) -> float:
     return slots / (m + slots)
 
 
-def stage_ranks(schedule: str, pp: int, num_stages: int) -> list[int]:
-    """The pp rank of every stage."""
-    if schedule in V_SCHEDULES:
-        return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
-    return [s % pp for s in range(num_stages)]
-
-
 def p2p_bytes(schedule: str, pp: int, num_stages: int, rank: int, m: int, activation_bytes: float) -> float:
     """What pp rank `rank` sends per step: each microbatch's activation to the next stage and its grad to the
     previous, for every stage boundary that crosses ranks (`activation_bytes` per microbatch and boundary)."""
@@ -86,4 +79,4 @@ def p2p_bytes(schedule: str, pp: int, num_stages: int, rank: int, m: int, activa
     return float(sends * m * activation_bytes)
 
 
-__all__ = ["bubble_fraction", "held_terms", "in_flight", "p2p_bytes", "stage_ranks"]
+__all__ = ["bubble_fraction", "held_terms", "in_flight", "p2p_bytes"]

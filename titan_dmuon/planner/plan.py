@@ -51,11 +51,9 @@ def _vocab_size(cfg: JobConfig, spec: ModelSpec) -> tuple[int | None, str]:
         raise ConfigError(f"model.tokenizer: {e} (the dry run needs the vocabulary size)") from None
 
 
-def build_on_fake_world(
-    cfg: JobConfig, world_size: int, pp_rank: int = 0
-) -> tuple[torch.nn.Module, ModelSpec, ParallelDims, dict]:
+def build_on_fake_world(cfg: JobConfig, world_size: int) -> tuple[torch.nn.Module, ModelSpec, ParallelDims, dict]:
     """Rank 0 of a fake world: the meta model with the real TP / DMuon / FSDP2 placement (the trainer's code); under
-    a pipeline, the part pp rank `pp_rank` holds (`build_part` builds the others' on the same world)."""
+    a pipeline, the part pp rank 0 holds (`build_part` builds the others' on the same world)."""
     if cfg.optimizer.name != "dmuon":
         raise ConfigError(
             f"job.dry_run plans DMuon runs (optimizer.name = 'dmuon'), got {cfg.optimizer.name!r}: its tables put "
@@ -81,7 +79,7 @@ def build_on_fake_world(
     model = build_meta_model(spec, cfg, vocab)
     nparams, flops_per_token = spec.nparams_and_flops(model, cfg.training.seq_len)
     info = {"params": nparams, "flops_per_token": flops_per_token, "vocab": vocab_source, "vocab_size": vocab}
-    return build_part(cfg, spec, dims, vocab, pp_rank, component), spec, dims, info
+    return build_part(cfg, spec, dims, vocab, 0, component), spec, dims, info
 
 
 def build_part(
@@ -148,7 +146,7 @@ def plan_pipeline(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims, vocab, fi
 
     p, t = cfg.parallelism, cfg.training
     schedule, mb = p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size
-    stages = plan_stages(cfg, len(spec.blocks(build_meta_model(spec, cfg, vocab))))
+    stages = plan_stages(cfg, int(first.args.n_layers))  # `first` is pp rank 0's part: its args are the model's
     v, m = len(stages) // dims.pp, t.local_batch_size * t.gradient_accumulation_steps // mb
     length = t.seq_len // dims.tp if dims.tp > 1 else t.seq_len
     dim = int(first.args.dim)

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from titan_dmuon.config import ConfigError, JobConfig
-from titan_dmuon.parallel.pipeline import plan_stages, stage_ids
-from titan_dmuon.planner.pipeline import bubble_fraction, in_flight, p2p_bytes, stage_ranks
+from titan_dmuon.parallel.pipeline import plan_stages, stage_ids, stage_ranks
+from titan_dmuon.planner.pipeline import bubble_fraction, in_flight, p2p_bytes
 
 
 def _cfg(**parallelism) -> JobConfig:
