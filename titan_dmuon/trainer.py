@@ -34,7 +34,13 @@ from titan_dmuon.components.checkpoint import CheckpointManager, check_async_mod
 from titan_dmuon.components.initialization import materialize
 from titan_dmuon.components.loaders import build_job_dataloader, global_batch_size
 from titan_dmuon.components.lr_scheduler import build_lr_scheduler
-from titan_dmuon.components.metrics import MetricsLogger, device_memory_stats, get_peak_flops, throughput_metrics
+from titan_dmuon.components.metrics import (
+    MetricsLogger,
+    SectionTimer,
+    device_memory_stats,
+    get_peak_flops,
+    throughput_metrics,
+)
 from titan_dmuon.components.model import build_meta_model, check_flavor, get_model_spec, model_vocab_size
 from titan_dmuon.components.moe import moe_layers, moe_stats, set_aux_loss_scale, update_moe_bias
 from titan_dmuon.components.optimizer import build_optimizer_component
@@ -103,6 +109,7 @@ class Trainer:
         check_async_mode(cfg)
         # 1. Device.
         self.device = self._init_device()
+        self.optimizer_timer = SectionTimer(self.device)  # each step's optimizer.step(): time/optimizer_share
         # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group; a group
         #    the caller made (e.g. a test harness) is used and left to it.
         self.runtime.init(self.device)
@@ -193,6 +200,7 @@ class Trainer:
         self._moe_scalars: dict[str, torch.Tensor] = {}
         # 8. Optimizer and 9. lr schedule (one factor for every param group).
         self.optimizer = self.optimizer_component.build()
+        self.optimizer_component.attach_qk_clip()  # QK-clip, or the max-logit metric alone, when configured
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         # 10. MFU's peak and the clipping norm.
         self.peak_flops = get_peak_flops(self.device)
@@ -374,7 +382,8 @@ class Trainer:
                 "(non-finite); stopping before the optimizer step. Lower the learning rates (the lr of each "
                 "[optimizer.*] table), raise lr_scheduler.warmup_steps or lower training.max_norm"
             )
-        self.optimizer.step()
+        with self.optimizer_timer.section():
+            self.optimizer.step()
         self.lr_scheduler.step()
         if self.has_moe:
             self._moe_scalars = self._moe_after_step()
@@ -484,6 +493,7 @@ class Trainer:
                 self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
                 scalars: dict[str, float] = {}
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                    optimizer_s = self.optimizer_timer.read()  # on CUDA, first waits for the last step's optimizer
                     now = time.perf_counter()
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})
                     scalars["progress/tokens_seen"] = self.tokens_seen
@@ -498,6 +508,7 @@ class Trainer:
                             ranks=self.world_size,
                         )
                     )
+                    scalars["time/optimizer_share"] = optimizer_s / (now - interval_start)
                     scalars.update(device_memory_stats(self.device))
                     scalars.update({k: float(v) for k, v in self._moe_scalars.items()})
                     # Over ranks: one small collective, on log steps only.

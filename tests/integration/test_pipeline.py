@@ -116,6 +116,22 @@ def test_dmuon_equals_muon_naive_under_pp2(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_qk_clip_pp2_matches_single_process(tmp_path) -> None:
+    """QK-clip under a pipeline (the Llama tinymodel, multi-head: wq and wk rows each take sqrt(gamma)): each stage
+    measures its own layers, one all-reduce over every rank gives each rank the whole model's grid, and each stage's
+    owners clip their own matrices. Losses, every layer's logged max logit and the clipped heads equal the single
+    process's (whose clip tests/distributed/test_qk_clip_layouts.py checks against a reference)."""
+    clip = ("--optimizer.muon.qk_clip_tau", "0.05")
+    want = _train(1, tmp_path / "one", *clip)
+    got = _train(4, tmp_path / "pp", *clip, *_pp(2, "1F1B", *FSDP2))
+    assert_same_run(got, want, rtol=1e-5)
+    assert sum(v > 0 for v in want["attn/clipped_heads"].values()) >= STEPS // 2
+    for tag in ("attn/max_logit/layers.0.attention", "attn/max_logit/layers.1.attention", "attn/clipped_heads"):
+        assert got[tag].keys() == want[tag].keys()
+        assert all(abs(got[tag][s] - v) <= 1e-5 * abs(v) for s, v in want[tag].items()), tag
+
+
+@pytest.mark.slow
 def test_explicit_split_with_a_stage_without_muon_matrices(tmp_path, reference) -> None:
     """module_fqns_per_model_part: stage 0 holds the embedding only (no Muon matrix: AdamW alone on rank 0, which
     still takes part in DMuon's set-up and norm collectives), stage 1 the rest."""

@@ -2,14 +2,15 @@
 
 Scalar names are TensorBoard tags ("loss/train", "grad_norm", "lr/muon", "lr/adamw", "progress/tokens_seen",
 "progress/elapsed_s", "throughput/tokens_per_sec" (per rank), "throughput/tokens_per_sec_global", "mfu",
-"throughput/tflops", "memory/...", and the optimizer component's own, e.g. "dmuon/..." (max over ranks) and
-"dmuon_mean/..." (mean over ranks)); the console line picks the common ones it knows. With
+"throughput/tflops", "time/optimizer_share", "memory/...", and the optimizer component's own, e.g. "dmuon/..."
+(max over ranks) and "dmuon_mean/..." (mean over ranks)); the console line picks the common ones it knows. With
 `metrics.enable_wandb`, the same scalars go to Weights & Biases under the same names and steps (`wandb` is imported
 only then: it is an optional extra).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -18,7 +19,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +114,40 @@ def device_memory_stats(device: torch.device | str, reset_peak: bool = False) ->
     except (ImportError, OSError):
         pass
     return stats
+
+
+class SectionTimer:
+    """Seconds spent in `with timer.section():` (e.g. each step's optimizer step), summed until `read()`.
+
+    On CUDA each section records a pair of timing events on the current stream, read only by `read()` (which
+    waits for the last one): the steps in between never wait for the device. Elsewhere, perf_counter."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._seconds = 0.0
+
+    @contextlib.contextmanager
+    def section(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+
+    def read(self) -> float:
+        """The seconds of the sections since the last `read()` (one device sync on CUDA), and start again at 0."""
+        seconds, self._seconds = self._seconds, 0.0
+        if self._events:
+            events, self._events = self._events, []
+            events[-1][1].synchronize()
+            seconds += sum(start.elapsed_time(end) for start, end in events) / 1e3
+        return seconds
 
 
 def max_and_mean_over_ranks(

@@ -159,6 +159,12 @@ class MuonConfig:
     """With per_head, also orthogonalize the attention output projection wo per head (its input-dim column blocks)
     (MuonOptions.per_head_wo).
     """
+    qk_clip_tau: float = 0.0
+    """QK-clip (MuonClip): after each optimizer step, every attention head whose largest logit q·k/sqrt(head_dim)
+    of the step exceeded this gets its query/key weights (or QK-norm gains) scaled down to it; 0 = off, Kimi K2
+    used 100. Also applies with optimizer.name = "adamw". Logs attn/max_logit and attn/clipped_heads
+    (MuonOptions.qk_clip_tau; docs/training.md, "QK-clip").
+    """
 
     def to_options(self):
         """This table as the library's `dmuon.MuonOptions` (the one conversion: the component builds its optimizer
@@ -554,6 +560,10 @@ class Metrics:
     """W&B run's display name ("" = $WANDB_NAME, else one W&B makes up)."""
     wandb_entity: str = ""
     """W&B entity, a user or team ("" = $WANDB_ENTITY, else the logged-in user's default entity)."""
+    log_max_logit: bool = False
+    """Measure every attention head's largest logit in the training forwards and log attn/max_logit (the largest)
+    and attn/max_logit/<layer> without clipping (optimizer.muon.qk_clip_tau logs them anyway). Costs an extra
+    q·k pass per attention layer (docs/training.md, "QK-clip")."""
 
     def validate(self) -> None:
         _at_least("metrics", 1, log_freq=self.log_freq)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import trace
 from .comm import Streams, Work, broadcast_coalesced, reduce_coalesced, streams_for
 from .param import DedicatedParam
 
@@ -154,19 +155,21 @@ class DedicatedParamGroup:
         with st.streams.use("broadcast"):
             self.wait_publish(timed=True)
             st.streams.hold(self.buffer)
-            for dp in self.params:
-                if dp.in_owner_column:  # this row's sender for that owner
-                    self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
-            ax = self.axes
-            ops = [(self.buffer[s:e], ax.shard_global_rank(shard)) for shard, (s, e) in self.shard_segments.items()]
-            copied = Work([st.streams.event()])  # compute waits for the copy too (a 1-rank group broadcasts nothing)
-            self._unshard_work = broadcast_coalesced(ops, ax.shard_group, st.ledger, "broadcast")
+            with trace.phase(trace.PACK):
+                for dp in self.params:
+                    if dp.in_owner_column:  # this row's sender for that owner
+                        self.buffer[dp.offset : dp.offset + dp.numel].copy_(dp._owned_data.view(-1))
+                ax = self.axes
+                ops = [(self.buffer[s:e], ax.shard_global_rank(sh)) for sh, (s, e) in self.shard_segments.items()]
+                copied = Work([st.streams.event()])  # compute waits for the copy too (a 1-rank group sends nothing)
+                self._unshard_work = broadcast_coalesced(ops, ax.shard_group, st.ledger, "broadcast")
         self._unshard_work = (self._unshard_work or Work()).merge(copied)
         self.unsharded = True
 
     def wait_for_unshard(self) -> None:
         if self._unshard_work is not None:
-            self._unshard_work.wait()
+            with trace.phase(trace.BROADCAST_WAIT):
+                self._unshard_work.wait()
             self._unshard_work = None
 
     def reshard(self) -> None:
@@ -258,7 +261,7 @@ class DedicatedParamGroup:
         if st.sync_grads:
             self._sent = True
             gbuf = torch.empty(self.grad_numel, dtype=self.reduce_dtype, device=self.device)
-            with st.streams.use("reduce"):
+            with trace.phase(trace.REDUCE), st.streams.use("reduce"):
                 st.streams.hold(gbuf)
                 for dp in self.params:
                     dst = gbuf[dp.grad_offset : dp.grad_offset + dp.numel]

@@ -20,10 +20,12 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from . import replicate_axis as _replicate
 from . import tp as _tp
+from . import trace
 from .comm import Work
 from .costs import block_shape, num_blocks, update_blocks
 from .newton_schulz import batch_plan, orthogonalize_stack, resolve_coefficients, zeropower_via_newtonschulz
 from .options import MuonOptions, OptionError
+from .qk_clip import QKClip
 from .state import state_of, unwrap
 
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -72,7 +74,8 @@ class Muon(torch.optim.Optimizer):
             documentation): `lr` (1e-3), `momentum` (0.95), `nesterov` (True), `weight_decay` (0.1), `ns_steps`
             (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
             CUDA and native-bf16 CPUs, else fp32), `ns_formulation` ("direct"), `kernel` ("auto"),
-            `ns_max_batch_elements` (2**26), `per_head` (False), `per_head_wo` (False). An invalid value raises
+            `ns_max_batch_elements` (2**26), `per_head` (False), `per_head_wo` (False), `qk_clip_tau` (0: off; the
+            model's attention layers report their max logits, titan_dmuon/dmuon/qk_clip.py). An invalid value raises
             `dmuon.OptionError` (a ValueError) naming it; `per_head` without head blocks recorded by
             `dedicate_params(..., head_blocks=...)` is one too.
     """
@@ -114,6 +117,9 @@ class Muon(torch.optim.Optimizer):
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
         super().__init__(groups, {})
         self.last_step_stats: dict[str, float] = {}
+        tau = self.options.qk_clip_tau
+        self.qk_clip: QKClip | None = QKClip(model, tau, state.device) if tau > 0 else None
+        """QK-clip (`qk_clip_tau` > 0): the owners rescale their q/k rows after the update, before the publish."""
 
     # The optimizer-wide NS settings, as attributes (read-only: they are `options`').
     ns_dtype = property(lambda self: self.options.ns_dtype, doc="MuonOptions.ns_dtype (None: the device's default).")
@@ -184,6 +190,8 @@ class Muon(torch.optim.Optimizer):
         st.drain_publish()  # a publish still in flight reads `_owned_data`: never update under it
         st.reshard_all()  # any unsharded buffer is stale after this step
         self._settle_owned_grads()
+        if self.qk_clip is not None:  # the step's max logits: the all-reduce runs under the updates below
+            self.qk_clip.launch()
         ns_calls, ns_time = 0, 0.0
         for group in self.param_groups:
             if group["kind"] == "adamw":
@@ -205,7 +213,10 @@ class Muon(torch.optim.Optimizer):
                 blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
                 if _tp.update_path(dp, blocks, self.tp_distributed_gram) == "gram":
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
-                    _apply_update(dp, self._orthogonalize([update], opts, dp)[0], opts)
+                    with trace.phase(trace.NEWTON_SCHULZ):
+                        ortho = self._orthogonalize([update], opts, dp)[0]
+                    _apply_update(dp, ortho, opts)
+                    self._clip_owned(dp)
                     ns_time += time.perf_counter() - t0
                     ns_calls += int(dp.is_tp_owner)
                 else:  # gather the update shards onto the TP owner (async, all of the step's at once)
@@ -232,11 +243,14 @@ class Muon(torch.optim.Optimizer):
             # shards updated locally (per-head, heads within the shard) were updated above and publish here too.
             tp_column = [dp for dp in pgroup.params if dp.tp_group is not None and dp.in_owner_column]
             finish = (
-                functools.partial(_finish_tp, pgroup, tp_jobs, tp_column, self._head_blocks)
+                functools.partial(_finish_tp, pgroup, tp_jobs, tp_column, self._head_blocks, self._clip_owned)
                 if tp_jobs or tp_column
                 else None
             )
             pgroup.after_step(publish, finish)
+        if self.qk_clip is not None:  # every rank (owner or not) finishes the all-reduce, then the params nobody
+            self.qk_clip.wait()  # owns (AdamW's under FSDP2, e.g. QK-norm gains)
+            self.qk_clip.scale_params_(skip={id(dp.param) for dp in st.dparams})
         if not self.replicate_async:  # sync: consume every group's handoff before step() returns
             st.drain_publish()
         st.ledger.end_step()
@@ -247,6 +261,13 @@ class Muon(torch.optim.Optimizer):
             **{f"bytes_{k}": v for k, v in st.ledger.last_step_bytes.items()},
         }
         return loss
+
+    def _clip_owned(self, dp) -> None:
+        """QK-clip of a dedicated q/k matrix on the rank that just updated it (its rows of the whole matrix), before
+        its publish: the replicas and the next forward's broadcast get the clipped weights, at no extra
+        communication."""
+        if self.qk_clip is not None and self.qk_clip.targets(dp.param):
+            self.qk_clip.scale_(dp.param, dp._owned_data, dp.region()[0])
 
     def _momentum(self, dp, opts: dict) -> torch.Tensor:
         """EMA momentum (+ Nesterov) on this rank's (TP-local) grad: elementwise, so shards suffice."""
@@ -262,6 +283,7 @@ class Muon(torch.optim.Optimizer):
         def finish(i: int, ortho: torch.Tensor) -> None:
             _, dp, opts = owned[i]
             _apply_head_update(dp, ortho, opts, blocks[i])
+            self._clip_owned(dp)  # before `done` publishes it
             done(owned[i])
 
         secs = self._orthogonalize_blocks(
@@ -334,7 +356,8 @@ class Muon(torch.optim.Optimizer):
                     updates[i] = update_of(i)
                 mats.append(_block(updates[i], blocks[i], b))
             t0 = time.perf_counter()
-            orthos = self._orthogonalize(mats, opts[pieces[chunk[0]][0]])
+            with trace.phase(trace.NEWTON_SCHULZ):
+                orthos = self._orthogonalize(mats, opts[pieces[chunk[0]][0]])
             secs += time.perf_counter() - t0
             for k, ortho in zip(chunk, orthos, strict=True):
                 i = pieces[k][0]  # a matrix's blocks come in order: batch_plan keeps the order of its input
@@ -506,11 +529,12 @@ def _apply_head_update(dp, ortho: torch.Tensor, opts: dict, head_blocks: tuple[i
     data.add_(ortho.contiguous().to(data.dtype), alpha=-lr)
 
 
-def _finish_tp(pgroup, tp_jobs, tp_column, head_blocks) -> Work:
-    """Wait for the TP scatters, apply the shards' updates (per head block's lr for a per-head matrix), then publish
-    the column's TP shards over the replicate axis."""
+def _finish_tp(pgroup, tp_jobs, tp_column, head_blocks, clip: Callable) -> Work:
+    """Wait for the TP scatters, apply the shards' updates (per head block's lr for a per-head matrix) and `clip`
+    them (QK-clip), then publish the column's TP shards over the replicate axis."""
     for job, opts in tp_jobs:
         _apply_head_update(job.dp, job.wait(), opts, head_blocks.get(job.dp))
+        clip(job.dp)
     return _replicate.publish(pgroup, tp_column)
 
 

@@ -91,6 +91,11 @@ class MuonOptions:
     per_head_wo: bool = False
     """With `per_head`, also split the matrices whose head blocks are column blocks (dim 1: an attention output
     projection wo, whose input dim holds the heads); False (the default) orthogonalizes those whole."""
+    qk_clip_tau: float = 0.0
+    """QK-clip (MuonClip; docs/dmuon.md, "QK-clip"): after each step, every attention head whose largest logit
+    q·k/sqrt(d) of the step exceeded tau gets its query/key weights scaled so that it would be tau. 0 (the default)
+    is off; the Kimi K2 recipe uses 100. The model reports its heads (titan_dmuon/dmuon/qk_clip.py: each attention
+    layer's `qk_heads()` and `max_logit`)."""
 
     PER_GROUP: ClassVar[tuple[str, ...]] = (
         "lr",
@@ -143,6 +148,7 @@ class MuonOptions:
         for name in ("per_head", "per_head_wo"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
+        _number("qk_clip_tau", self.qk_clip_tau, minimum=0.0)
         if self.per_head_wo and not self.per_head:
             raise OptionError("per_head_wo", "needs per_head=True (it adds wo's column blocks to per-head Muon)")
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import trace
 from .comm import Work, broadcast_coalesced, reduce_coalesced
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def reduce_replicate(group: DedicatedParamGroup, gbuf: torch.Tensor) -> Work:
         for (shard, rep), (s, e) in group.grad_owner_segments.items()
         if shard == ax.shard_rank
     ]
-    with st.streams.use("replicate_broadcast"):
+    with trace.phase(trace.REDUCE), st.streams.use("replicate_broadcast"):  # stage 2 of the reduce
         return reduce_coalesced(ops, ax.replicate_group, st.ledger, "replicate_reduce")
 
 
@@ -47,6 +48,6 @@ def publish(group: DedicatedParamGroup, params: Sequence[DedicatedParam] | None 
         for dp in (group.params if params is None else params)
         if dp.in_owner_column
     ]
-    with st.streams.use("replicate_broadcast"):
+    with trace.phase(trace.PUBLISH), st.streams.use("replicate_broadcast"):
         st.streams.hold(*(t for t, _ in ops))
         return broadcast_coalesced(ops, ax.replicate_group, st.ledger, "replicate_broadcast")

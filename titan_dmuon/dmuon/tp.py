@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import costs
+from . import costs, trace
 from .comm import STREAM_OF, CommLedger, Work
 
 
@@ -100,7 +100,7 @@ class TPUpdate:
         self.gathered = [self._scratch("gather", i, src) for i in range(size)] if dp.is_tp_owner else None
         ledger.record("tp_gather", self.full_numel, size, src.element_size())
         streams = dp.group.state.streams
-        with streams.use(STREAM_OF["tp_gather"]):
+        with trace.phase(trace.TP_GATHER), streams.use(STREAM_OF["tp_gather"]):
             streams.hold(src, *(self.gathered or ()))
             self._work = Work(
                 [dist.gather(src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True)]
@@ -119,10 +119,11 @@ class TPUpdate:
 
     def full_update(self) -> torch.Tensor | None:
         """Wait for the gather; on the TP owner return the full (m, n) update matrix."""
-        self._work.wait()
-        if not self.dp.is_tp_owner:
-            return None
-        return torch.cat(self.gathered, dim=self.dp.shard_dim)
+        with trace.phase(trace.TP_GATHER):
+            self._work.wait()
+            if not self.dp.is_tp_owner:
+                return None
+            return torch.cat(self.gathered, dim=self.dp.shard_dim)
 
     def scatter(self, ortho_full: torch.Tensor | None, like: torch.Tensor) -> None:
         """Send each TP rank its shard of the orthogonalized update (async)."""
@@ -133,7 +134,7 @@ class TPUpdate:
             chunks = [c.contiguous() for c in ortho_full.to(like.dtype).chunk(dp.tp_group.size(), dim=dp.shard_dim)]
         self._ledger.record("tp_scatter", self.full_numel, dp.tp_group.size(), like.element_size())
         streams = dp.group.state.streams
-        with streams.use(STREAM_OF["tp_scatter"]):
+        with trace.phase(trace.TP_SCATTER), streams.use(STREAM_OF["tp_scatter"]):
             streams.hold(self.out_local, *(chunks or ()))
             self._work = Work(
                 [
@@ -144,7 +145,8 @@ class TPUpdate:
             )
 
     def wait(self) -> torch.Tensor:
-        self._work.wait()
+        with trace.phase(trace.TP_SCATTER):
+            self._work.wait()
         return self.out_local
 
 

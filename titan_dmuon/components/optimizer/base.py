@@ -8,6 +8,7 @@ The trainer never asks which optimizer it has. It calls, in this order:
     fully_shard(..., ignored_params=ignored)             # FSDP2 leaves the component's params alone
     component.init_own_params(init_fn, device)           # materialize: the component allocates what it kept
     optimizer = component.build()                        # the torch.optim.Optimizer (lr scheduler, step)
+    component.attach_qk_clip()                           # QK-clip / the max-logit metric, when configured
     with component.no_sync(): ...                        # every micro-batch but the last one
     component.reduce_grads()                             # a pipeline: after the schedule, its whole no_sync step
     norm = component.clip_grad_norm_(max_norm)           # one global norm, the same on every rank
@@ -23,6 +24,7 @@ them as they are; `dmuon` overrides most of them.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_dmuon.components.moe import moe_layers
 from titan_dmuon.config import ConfigError, JobConfig
+from titan_dmuon.dmuon.qk_clip import QKClip
 
 if TYPE_CHECKING:
     from titan_dmuon.components.model import ModelSpec
@@ -90,6 +93,8 @@ class OptimizerComponent:
         self.dims: ParallelDims | None = None
         self.mesh: DeviceMesh | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.qk_clip: QKClip | None = None
+        """QK-clip or the max-logit metric (`attach_qk_clip`), None when neither is on."""
         self.own_params: set[nn.Parameter] = set()
         """The params this component allocates and initializes itself (set by `prepare`): FSDP2 ignores them
         and the materialization step leaves them to `init_own_params`."""
@@ -159,6 +164,22 @@ class OptimizerComponent:
             )
         return blocks
 
+    def attach_qk_clip(self) -> None:
+        """After `build`: QK-clip (`optimizer.muon.qk_clip_tau` > 0) or the max-logit metric alone
+        (`metrics.log_max_logit`). An optimizer that clips itself keeps its own clip (dmuon.Muon: each owner rescales
+        its q/k rows before it publishes them); for the others a step post-hook measures and rescales the params
+        where they live (plain, FSDP2 or TP shards; titan_dmuon/dmuon/qk_clip.py)."""
+        own = getattr(self.optimizer, "qk_clip", None)
+        if own is not None:
+            self.qk_clip = own
+            return
+        tau = self.cfg.optimizer.muon.qk_clip_tau
+        if not tau and not self.cfg.metrics.log_max_logit:
+            return
+        device = next(self.model.parameters()).device
+        self.qk_clip = clip = QKClip(self.model, tau or math.inf, device)  # inf: measure, never clip
+        self.optimizer.register_step_post_hook(lambda *_: clip.apply())
+
     # ------------------------------------------------------------------------------------------- step
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -203,8 +224,9 @@ class OptimizerComponent:
 
     def step_stats(self) -> dict[str, float]:
         """Metrics of the last step (TensorBoard tag -> value); only those that carry information here. The
-        trainer calls it on every rank, on log steps only: it may run one small collective (`over_ranks`)."""
-        return {}
+        trainer calls it on every rank, on log steps only: it may run one small collective (`over_ranks`). Here: the
+        QK-clip figures (the same on every rank), which the overrides add to theirs."""
+        return self.qk_clip.stats() if self.qk_clip is not None else {}
 
     def over_ranks(self, prefix: str, values: dict[str, float], keys: Sequence[str]) -> dict[str, float]:
         """This rank's `values` as figures of the whole job: `<prefix>/<key>` is the max over all ranks (the

@@ -117,7 +117,7 @@ class DMuon(OptimizerComponent):
             "publish_waits",
             *(f"bytes_{kind}" for kind in kinds),
         ]
-        return self.over_ranks("dmuon", values, keys)
+        return {**self.over_ranks("dmuon", values, keys), **super().step_stats()}
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's share: each dedicated matrix's fp32 master on its owner's column only, the FSDP2 DTensors."""

@@ -37,6 +37,9 @@ class NaiveMuon(torch.optim.Optimizer):
     `head_blocks` maps a Muon param to its `(dim, size)` head blocks (what `dmuon.dedicate_params` takes by FQN):
     with `per_head` each block of the full matrix is orthogonalized on its own (one NS call per block) and its
     lr scaled by the block's shape (`per_head_wo` for the column blocks, dim 1), as dmuon.Muon does.
+
+    `qk_clip_tau` is not applied here (it needs the model's attention layers): the component's QK-clip runs after
+    `step` (OptimizerComponent.attach_qk_clip).
     """
 
     def __init__(
@@ -155,4 +158,4 @@ class MuonNaive(OptimizerComponent):
         `muon_naive/<name>` the max over ranks, `muon_naive_mean/<name>` the mean (one all_gather; log steps only)."""
         stats = self.optimizer.last_step_stats
         keys = ("ns_calls", "ns_time_s", "bytes_all_gather") if self.dims.world_size > 1 else ("ns_calls", "ns_time_s")
-        return self.over_ranks("muon_naive", {k: float(v) for k, v in stats.items()}, keys)
+        return {**self.over_ranks("muon_naive", {k: float(v) for k, v in stats.items()}, keys), **super().step_stats()}

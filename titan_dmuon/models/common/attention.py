@@ -9,6 +9,7 @@ from torch import nn
 
 from titan_dmuon.components.initialization import ParamInit, constant, trunc_normal
 from titan_dmuon.components.kv_cache import LayerCache
+from titan_dmuon.dmuon.qk_clip import QKHeads, report_max_logit
 
 from .norms import RMSNorm
 from .rope import RopeLayout, apply_rope
@@ -36,7 +37,11 @@ class Attention(nn.Module):
     TP-sharded) output width via ``view(..., -1, head_dim)``, so the same code runs with n_heads // tp local heads.
 
     With ``qk_norm`` (Qwen3) an RMSNorm over head_dim (`q_norm`, `k_norm`, weights of head_dim entries) normalizes
-    each q and k head before RoPE; it acts on the last dim only, so it runs on any subset of the heads."""
+    each q and k head before RoPE; it acts on the last dim only, so it runs on any subset of the heads.
+
+    It reports its per-head max logits to QK-clip (titan_dmuon/dmuon/qk_clip.py): `qk_heads()` says which params
+    hold the heads (the q/k norms' gains under a QK-norm), `max_logit` is None until the clip measures. Under TP
+    `tp_rank`/`tp_size` (set by the TP plan) place this rank's heads among the layer's."""
 
     def __init__(
         self,
@@ -51,6 +56,9 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads  # the whole layer's
+        self.tp_rank, self.tp_size = 0, 1
+        self.max_logit: torch.Tensor | None = None  # QK-clip's running max over this step's forwards [local heads]
         self.n_rep = n_heads // n_kv_heads  # invariant under TP: q and kv heads shard alike
         self.rope_layout = rope_layout
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
@@ -68,7 +76,23 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
+        if self.max_logit is not None and cache is None:
+            report_max_logit(self, q, k)
         return self.wo(attend(q, k, v, self.n_rep, cache).reshape(bs, seqlen, -1))
+
+    def qk_heads(self) -> QKHeads:
+        """Where QK-clip finds this layer's heads: wq/wk rows, or the q/k norms' gains (one per layer)."""
+        local = self.n_heads // self.tp_size
+        return QKHeads(
+            q="q_norm.weight" if self.q_norm is not None else "wq.weight",
+            k="k_norm.weight" if self.k_norm is not None else "wk.weight",
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            n_local_heads=local,
+            head_offset=self.tp_rank * local,
+            shared_gain=self.q_norm is not None,
+        )
 
     def param_inits(self, out: ParamInit) -> dict[str, ParamInit]:
         """torchtitan's init (FQNs relative to this module): the input projections trunc_normal(0.02), wo `out`

@@ -162,6 +162,7 @@ def apply_tp(
         model.output.weight = emb
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel, attention_plan))
+        block.attention.tp_rank, block.attention.tp_size = tp_mesh.get_local_rank(), tp  # its heads' place (QK-clip)
         if isinstance(block.feed_forward, MoE) and sequence_parallel:
             block.feed_forward.aux_group = tp_mesh.get_group()
     logger.info(

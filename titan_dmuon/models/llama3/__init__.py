@@ -25,6 +25,8 @@ llama3_configs: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
     # For multi-rank end-to-end tests on a few CPU cores: 2 blocks, 4 heads (TP 2 and 4 divide it).
     "tinymodel": ModelArgs(dim=64, n_layers=2, n_heads=4, multiple_of=32, rope_theta=500000),
+    # grouped-query attention at test size (two query heads per kv head): what QK-clip's GQA rule needs
+    "tinymodel_gqa": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, rope_theta=500000),
     "1B": _published(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, multiple_of=256),
     "3B": _published(dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, multiple_of=256),
     "8B": _published(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024),
