@@ -34,6 +34,7 @@ def build_tiny(cfg: JobConfig, dims: ParallelDims) -> tuple[torch.nn.Module, Opt
     component = build_optimizer_component(cfg, spec)
     parallelize(model, dims, dims.build_mesh("cpu"), cfg, spec, component)
     component.build()
+    component.attach_qk_clip()  # the trainer's order (titan_dmuon/components/optimizer/base.py)
     return model, component
 
 

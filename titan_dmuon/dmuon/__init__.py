@@ -43,6 +43,7 @@ from .newton_schulz import (
 )
 from .options import DTYPES, MuonOptions, OptionError, to_dtype
 from .param import DedicatedParam
+from .qk_clip import QKClip, QKHeads, max_logit_per_head, report_max_logit
 from .state import state_of, unwrap
 from .state_dict import (
     get_model_state_dict,
@@ -122,6 +123,8 @@ __all__ = [
     "Muon",
     "MuonOptions",
     "OptionError",
+    "QKClip",
+    "QKHeads",
     "adamw_step",
     "adjusted_lr",
     "cpu_has_native_bf16",
@@ -143,11 +146,13 @@ __all__ = [
     "gram_restarts",
     "init_dedicated_params",
     "install_patch",
+    "max_logit_per_head",
     "no_sync",
     "partition",
     "reduce_grads",
     "replicate",
     "replicate_tp",
+    "report_max_logit",
     "resolve_coefficients",
     "set_model_state_dict",
     "set_optimizer_state_dict",

@@ -175,3 +175,23 @@ def test_muon_takes_3d_params_only_as_moe_expert_stacks(name) -> None:
         ConfigError, match=r"3-D parameters that are no MoE layer's expert stack: layers\.0\.attention\.stray;"
     ):
         build_optimizer_component(moe_cfg, spec).select_muon_params(model)
+
+
+@pytest.mark.parametrize("name", ["dmuon", "muon_naive", "adamw"])
+def test_qk_clip_in_every_component(one_rank, name) -> None:
+    """optimizer.muon.qk_clip_tau on each component: its step stats carry the max logits and the clipped heads, and
+    a tau under the tiny model's logits (about 0.1 at init) clips heads."""
+    model, component = build_tiny(tiny_cfg(name, qk_clip_tau=0.01), one_rank)
+    train_step(model, component, 0)
+    stats = component.step_stats()
+    layers = [f"attn/max_logit/layers.{i}.attention" for i in range(2)]
+    assert stats["attn/max_logit"] == max(stats[k] for k in layers) > 0.01
+    assert stats["attn/clipped_heads"] > 0
+    component.close()
+
+
+def test_qk_clip_on_a_model_without_attention_is_a_config_error(one_rank) -> None:
+    cfg = tiny_cfg("dmuon", qk_clip_tau=100.0)
+    cfg.model.name = "tiny_mlp"
+    with pytest.raises(ConfigError, match=r"qk_clip_tau.*tiny_mlp/tinymodel has no attention layer"):
+        build_tiny(cfg, one_rank)

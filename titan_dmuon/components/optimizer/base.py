@@ -104,7 +104,19 @@ class OptimizerComponent:
         """Runs inside parallelize, on the meta model, after TP and before FSDP2. Returns the params FSDP2 must
         not manage (`own_params`)."""
         self.model, self.dims, self.mesh = model, dims, mesh
+        self._check_qk_clip(model)
         return self.own_params
+
+    def _check_qk_clip(self, model: nn.Module) -> None:
+        """A ConfigError when QK-clip or the max-logit metric is on but the model has no attention layer that reports
+        its heads (`qk_heads()`, titan_dmuon/dmuon/qk_clip.py). A pipeline stage may hold none (the embedding alone):
+        the clip's set-up checks the whole model."""
+        wanted = self.cfg.optimizer.muon.qk_clip_tau > 0 or self.cfg.metrics.log_max_logit
+        if wanted and not self.pipelined and not any(callable(getattr(m, "qk_heads", None)) for m in model.modules()):
+            raise ConfigError(
+                f"optimizer.muon.qk_clip_tau / metrics.log_max_logit: {self.spec.name}/{self.cfg.model.flavor} has no "
+                "attention layer that reports its heads (a module with qk_heads()): turn them off for this model"
+            )
 
     def init_own_params(self, init_fn: Callable[[str, torch.Tensor, tuple[slice, ...]], None], device) -> None:
         """Materialization (after FSDP2, before `build`): allocate this rank's share of `own_params` on `device`
