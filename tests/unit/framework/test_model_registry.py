@@ -43,7 +43,7 @@ def test_unknown_family_and_flavor_list_what_exists() -> None:
 def test_llama3_spec() -> None:
     spec = get_model_spec("llama3")
     assert spec is llama3.SPEC and spec.apply_tp is llama3.apply_tp and spec.loss_fn is cross_entropy_loss
-    assert set(spec.flavors) == {"debugmodel", "tinymodel", "1B", "3B", "8B", "70B", "405B"}
+    assert set(spec.flavors) == {"debugmodel", "tinymodel", "tinymodel_gqa", "1B", "3B", "8B", "70B", "405B"}
     model = spec.build("tinymodel", vocab_size=64, max_seq_len=16)  # meta
     assert all(p.is_meta for p in model.parameters())
     assert [fqn for fqn, _ in spec.blocks(model)] == ["layers.0", "layers.1"]
