@@ -49,6 +49,7 @@ BETAS = (0.9, 0.95)
 # (measured for taus from 0.5 to 3.5 and AdamW lrs from 1e-2 to 0.2), so the bar is 3.
 MODELS = {
     "llama3": ("llama3", "tinymodel_gqa", 0.06, 3e-3, STEPS - 2),
+    "llama3_mha": ("llama3", "tinymodel", 0.06, 3e-3, STEPS - 2),
     "qwen3": ("qwen3", "tinymodel", 3.0, 3e-2, 3),
     "moe": ("qwen3", "tinymodel_moe", 3.0, 1e-1, 3),
 }
@@ -145,11 +146,15 @@ def _clip(model: nn.Module, s: torch.Tensor, tau: float) -> None:
         for layer, block in enumerate(model.layers.values()):
             att = block.attention
             g = gamma[layer]
-            assert att.n_kv_heads < att.n_heads  # both families here are GQA: the keys stay
-            if att.q_norm is not None:
-                att.q_norm.weight.mul_(g.min())
-            else:
-                att.wq.weight.view(att.n_heads, att.head_dim, -1).mul_(g.view(-1, 1, 1))
+            if att.n_kv_heads < att.n_heads:  # GQA: the query side takes all of it, the shared keys stay
+                if att.q_norm is not None:
+                    att.q_norm.weight.mul_(g.min())
+                else:
+                    att.wq.weight.view(att.n_heads, att.head_dim, -1).mul_(g.view(-1, 1, 1))
+            else:  # multi-head, no QK-norm here: the paper's sqrt(gamma) on each of a head's q and k rows
+                assert att.q_norm is None
+                for w in (att.wq.weight, att.wk.weight):
+                    w.view(att.n_heads, att.head_dim, -1).mul_(g.sqrt().view(-1, 1, 1))
 
 
 def reference(model_name: str, sd0: dict[str, torch.Tensor], n_dp: int, clip: bool = True) -> dict:
@@ -264,3 +269,12 @@ def test_muon_naive_clip_on_tp_shards_matches_reference(tmp_path) -> None:
     extra = ["--optimizer.name", "muon_naive", "--parallelism.tensor_parallel_degree", "2"]
     results = run_distributed(_rank, 4, str(tmp_path), "llama3", extra, timeout=DEADLINE)
     _check(results, "llama3")
+
+
+@pytest.mark.slow
+def test_dmuon_clip_multi_head_dp2_tp2_matches_reference(tmp_path) -> None:
+    """Multi-head attention (the Llama tinymodel): each TP rank of an owner column scales its rows of wq and wk by
+    sqrt(gamma)."""
+    extra = ["--parallelism.tensor_parallel_degree", "2"]
+    results = run_distributed(_rank, 4, str(tmp_path), "llama3_mha", extra, timeout=DEADLINE)
+    _check(results, "llama3_mha")

@@ -75,7 +75,8 @@ class Muon(torch.optim.Optimizer):
             (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
             CUDA and native-bf16 CPUs, else fp32), `ns_formulation` ("direct"), `kernel` ("auto"),
             `ns_max_batch_elements` (2**26), `per_head` (False), `per_head_wo` (False), `qk_clip_tau` (0: off; the
-            model's attention layers report their max logits, titan_dmuon/dmuon/qk_clip.py). An invalid value raises
+            model's attention layers report their max logits, titan_dmuon/dmuon/qk_clip.py; with it on, building
+            the optimizer is a collective of every rank, and so is each step). An invalid value raises
             `dmuon.OptionError` (a ValueError) naming it; `per_head` without head blocks recorded by
             `dedicate_params(..., head_blocks=...)` is one too.
     """

@@ -68,23 +68,41 @@ def max_logit_per_head(
 ) -> torch.Tensor:
     """The largest causal logit of each query head: q [B, L, H, D], k [B, L, H_kv, D] (after RoPE, as attention sees
     them; each kv head serves H / H_kv query heads) -> [H] fp32, max over the batch, the query positions and the
-    keys at or before each. In fp32, in chunks of queries (a chunk's [B, H, c, keys] logits hold at most
-    `chunk_elements`), never the whole [L, L] per head; keys past a chunk's last query are not computed."""
+    keys at or before each. In fp32, in tiles, never the whole [L, L] of a head: a slice of the (sequence, kv head)
+    groups, whose q and k are copied to fp32 once (about `chunk_elements` elements), times a run of query positions
+    against the keys up to its last one (one batched matmul of at most about `chunk_elements` logits; keys after a
+    run's last query are not computed). Past `chunk_elements`, one group or one query row is the smallest tile."""
     b, length, heads, d = q.shape
     kv = k.shape[2]
+    rep = heads // kv
     scale = d**-0.5 if scale is None else scale
-    qf = q.detach().float().reshape(b, length, kv, heads // kv, d)
-    kf = k.detach().float()
-    chunk = max(1, min(length, chunk_elements // max(1, b * heads * length)))
-    out = torch.full((heads,), -math.inf, dtype=torch.float32, device=q.device)
+    groups = max(1, chunk_elements // ((rep + 1) * length * d))  # (sequence, kv head) groups copied at once
+    seqs, kvs = (max(1, min(b, groups // kv)), kv) if groups >= kv else (1, groups)
     pos = torch.arange(length, device=q.device)
-    for start in range(0, length, chunk):
-        end = min(length, start + chunk)
-        logits = torch.einsum("bqgrd,bkgd->bgrqk", qf[:, start:end], kf[:, :end]) * scale
-        future = pos[start:end, None] < pos[None, :end]  # key after query: masked, as causal attention does
-        logits = logits.masked_fill(future, -math.inf)
-        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)).flatten())
+    out = torch.full((heads,), -math.inf, dtype=torch.float32, device=q.device)
+    q, k = q.detach(), k.detach()
+    for b0 in range(0, b, seqs):
+        for g0 in range(0, kv, kvs):
+            n, g = min(seqs, b - b0), min(kvs, kv - g0)
+            # [n*g, rep, L, D] and [n*g, L, D]: one fp32 copy each, laid out so that every tile below is a view
+            qf = q[b0 : b0 + n, :, g0 * rep : (g0 + g) * rep].view(n, length, g, rep, d).permute(0, 2, 3, 1, 4)
+            qf = _fp32_copy(qf).view(n * g, rep, length, d)
+            kf = _fp32_copy(k[b0 : b0 + n, :, g0 : g0 + g].permute(0, 2, 1, 3)).view(n * g, length, d)
+            rows = max(1, min(length, chunk_elements // (n * g * rep * length)))
+            for start in range(0, length, rows):
+                end = min(length, start + rows)
+                tile = qf[:, :, start:end].reshape(n * g, rep * (end - start), d)
+                logits = torch.bmm(tile, kf[:, :end].transpose(1, 2)).view(n * g, rep, end - start, end)
+                logits.masked_fill_(pos[start:end, None] < pos[None, :end], -math.inf)  # keys after the query
+                best = logits.amax(dim=(2, 3)).view(n, g * rep).amax(dim=0).mul_(scale)
+                heads_of = slice(g0 * rep, (g0 + g) * rep)
+                out[heads_of] = torch.maximum(out[heads_of], best)
     return out
+
+
+def _fp32_copy(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp32, contiguous in its (permuted) order: one copy."""
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 def report_max_logit(layer: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -94,7 +112,13 @@ def report_max_logit(layer: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None
     the same values in again, which leaves a max unchanged."""
     if layer.max_logit is None or not torch.is_grad_enabled():
         return
-    layer.max_logit.copy_(torch.maximum(layer.max_logit, max_logit_per_head(q, k)))
+    m = max_logit_per_head(q, k)
+    if m.shape != layer.max_logit.shape:  # shapes only: no device sync
+        raise ValueError(
+            f"QK-clip: the layer computed {m.shape[0]} query heads but reports {layer.max_logit.shape[0]} "
+            "(QKHeads.n_local_heads): under tensor parallelism its qk_heads() must count this rank's heads"
+        )
+    layer.max_logit.copy_(torch.maximum(layer.max_logit, m))
 
 
 def _natural_key(name: str) -> list:
@@ -114,7 +138,7 @@ class _Layer:
 
 class QKClip:
     """The clip of one model (see the module docstring): `launch()` after the step's backwards (reads and resets the
-    layers' max logits, starts the all-reduce), `wait()` (the factors), then `row_factor(param)` / `scale_params_`
+    layers' max logits, starts the all-reduce), `wait()` (the factors), then `factor(param)` / `scale_params_`
     rescale the weights after their update. `tau` = math.inf measures without clipping (the max-logit metric).
 
     `group`: the ranks whose layers and data make up the model (default: every rank). Building it runs one

@@ -406,3 +406,26 @@ def test_invalid_tau():
     with pytest.raises(ValueError, match="qk_clip_tau"):
         QKClip(model, 0, device="cpu")
     assert all(a.max_logit is None for a in attentions(model))
+
+
+def test_max_logit_per_head_tiles_stay_within_the_budget() -> None:
+    """Catches a tile that outgrows `chunk_elements` (the whole [L, L] of every head at once, or a per-tile copy of
+    the keys): every matmul's logits stay within it, and the result is still the direct causal max."""
+    torch.manual_seed(3)
+    b, length, heads, kv, d, budget = 3, 64, 8, 2, 8, 4096  # B·H·L·L = 98304 logits, 24x the budget
+    q, k = torch.randn(b, length, heads, d), torch.randn(b, length, kv, d)
+    sizes: list[int] = []
+    real_bmm = torch.bmm
+
+    def counting_bmm(x, y):
+        out = real_bmm(x, y)
+        sizes.append(out.numel())
+        return out
+
+    with mock.patch.object(torch, "bmm", counting_bmm):
+        got = max_logit_per_head(q, k, chunk_elements=budget)
+    assert sizes and max(sizes) <= budget, max(sizes)
+    kk = k.double().repeat_interleave(heads // kv, dim=2)
+    logits = torch.einsum("blhd,bmhd->bhlm", q.double(), kk) / d**0.5
+    want = logits.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
