@@ -272,18 +272,26 @@ def test_3d_2x2x2_dmuon_matches_single_process(tmp_path, reference) -> None:
 
 @pytest.mark.slow
 def test_compile_and_full_ac_single_process(tmp_path, reference) -> None:
-    """Per-block torch.compile (of the checkpointed block bodies) under DMuon + FSDP2: same training."""
+    """Per-block torch.compile (of the checkpointed block bodies) under DMuon + FSDP2: same training. The max-logit
+    metric measures inside the compiled, checkpointed attention (its recompute folds in the same values again) what
+    an eager run without checkpointing measures."""
+    measure = ("--metrics.log_max_logit", "true")
     s = train(
         1,
-        tmp_path,
+        tmp_path / "compiled",
         "--training.local_batch_size",
         "8",
         "--compile.enable",
         "true",
         "--activation_checkpoint.mode",
         "full",
+        *measure,
     )
     assert_same_run(s, reference, rtol=1e-3)  # inductor's fused kernels round differently
+    eager = train(1, tmp_path / "eager", "--training.local_batch_size", "8", *measure)
+    for tag in ("attn/max_logit/layers.0.attention", "attn/max_logit/layers.1.attention"):
+        assert s[tag].keys() == eager[tag].keys() and len(eager[tag]) > 1
+        assert all(abs(s[tag][k] - v) <= 1e-3 * abs(v) for k, v in eager[tag].items()), (s[tag], eager[tag])
 
 
 @pytest.mark.slow
