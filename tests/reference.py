@@ -125,3 +125,30 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm().clamp(min=1e-12)).item()
+
+
+class ExpertSlices:
+    """An MoE reference's expert stacks (experts x out x in) as torch.optim.Muon sees what DMuon computes: each
+    expert's matrix a parameter of its own. `params` go to the optimizer; `take_grads()` after the backwards moves
+    each stack's grad onto its slices, `write_back()` after the step puts the slices back into the stacks."""
+
+    def __init__(self, named_params: dict[str, torch.nn.Parameter], is_muon):
+        self.stacks = {n: p for n, p in named_params.items() if is_muon(n) and p.ndim == 3}
+        self.slices = {
+            n: [torch.nn.Parameter(p.data[e].clone()) for e in range(p.shape[0])] for n, p in self.stacks.items()
+        }
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [s for slices in self.slices.values() for s in slices]
+
+    def take_grads(self) -> None:
+        for n, p in self.stacks.items():
+            for e, s in enumerate(self.slices[n]):
+                s.grad = p.grad[e].clone()
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        for n, p in self.stacks.items():
+            p.copy_(torch.stack([s.data for s in self.slices[n]]))

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from tests._dist import run_distributed
-from tests.reference import fp32_torch_muon
+from tests.reference import ExpertSlices, fp32_torch_muon
 from titan_dmuon.components.moe import moe_layers, moe_stats, update_moe_bias
 
 STEPS, B, T, VOCAB, RTOL, DEADLINE = 8, 2, 16, 258, 5e-5, 300
@@ -130,11 +130,10 @@ def reference(sd0: dict[str, torch.Tensor], n_dp: int, empty: bool, steps: int =
     regex = re.compile(MUON_PARAMS)
     named = dict(model.named_parameters())
     matrices = [p for n, p in named.items() if regex.search(n) and p.ndim == 2]
-    stacks = {n: p for n, p in named.items() if regex.search(n) and p.ndim == 3}
-    slices = {n: [nn.Parameter(p.data[e].clone()) for e in range(p.shape[0])] for n, p in stacks.items()}
+    experts = ExpertSlices(named, regex.search)
     others = [p for n, p in named.items() if not regex.search(n)]
     muon = torch.optim.Muon(
-        matrices + [s for ss in slices.values() for s in ss],
+        matrices + experts.params,
         lr=HP["optimizer.muon.lr"],
         momentum=HP["optimizer.muon.momentum"],
         nesterov=True,
@@ -158,17 +157,12 @@ def reference(sd0: dict[str, torch.Tensor], n_dp: int, empty: bool, steps: int =
                 loss.backward()
                 total += loss.item()
             norms.append(float(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm()))
-            for n, p in stacks.items():
-                for e, s in enumerate(slices[n]):
-                    s.grad = p.grad[e].clone()
-                p.grad = None
+            experts.take_grads()
             muon.step()
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
-            with torch.no_grad():
-                for n, p in stacks.items():
-                    p.copy_(torch.stack([s.data for s in slices[n]]))
+            experts.write_back()
             counts = moe_stats(model)["tokens_per_expert"]
             update_moe_bias(model, counts.to(torch.float64))
             losses.append(total)

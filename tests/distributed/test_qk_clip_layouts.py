@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests._dist import run_distributed
-from tests.reference import fp32_torch_muon
+from tests.reference import ExpertSlices, fp32_torch_muon
 from titan_dmuon.components.moe import moe_layers, moe_stats, update_moe_bias
 
 STEPS, B, T, VOCAB, RTOL, DEADLINE = 8, 2, 16, 258, 5e-5, 300
@@ -172,11 +172,10 @@ def reference(model_name: str, sd0: dict[str, torch.Tensor], n_dp: int, clip: bo
     regex = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$")
     named = dict(model.named_parameters())
     matrices = [p for n, p in named.items() if regex.search(n) and p.ndim == 2]
-    stacks = {n: p for n, p in named.items() if regex.search(n) and p.ndim == 3}
-    slices = {n: [nn.Parameter(p.data[e].clone()) for e in range(p.shape[0])] for n, p in stacks.items()}
+    experts = ExpertSlices(named, regex.search)
     others = [p for n, p in named.items() if not (regex.search(n) and p.ndim in (2, 3))]  # the q/k norms too
     muon = torch.optim.Muon(
-        matrices + [s for ss in slices.values() for s in ss],
+        matrices + experts.params,
         lr=HP["optimizer.muon.lr"],
         momentum=HP["optimizer.muon.momentum"],
         nesterov=True,
@@ -204,19 +203,14 @@ def reference(model_name: str, sd0: dict[str, torch.Tensor], n_dp: int, clip: bo
                 total += loss.item()
             assert len(logits.calls) == n_dp * n_layers
             s = torch.stack(logits.calls).view(n_dp, n_layers, -1).amax(dim=0)  # [layers, heads]
-            for n, p in stacks.items():
-                for e, sl in enumerate(slices[n]):
-                    sl.grad = p.grad[e].clone()
-                p.grad = None
+            experts.take_grads()
             muon.step()
             adamw.step()
             muon.zero_grad()
             adamw.zero_grad()
-            with torch.no_grad():
-                for n, p in stacks.items():
-                    p.copy_(torch.stack([sl.data for sl in slices[n]]))
+            experts.write_back()
             _clip(model, s, tau)
-            if stacks:
+            if experts.stacks:
                 update_moe_bias(model, moe_stats(model)["tokens_per_expert"].to(torch.float64))
             losses.append(total)
             max_logits.append(s.amax(dim=1).tolist())
