@@ -10,7 +10,11 @@ logits scaled by gamma_h for the same inputs:
   key head left alone (each query head takes its own factor, as MLA's shared rotary key is left alone);
 * a QK-norm (an RMSNorm over head_dim on q and k, Qwen3): the norm removes any scale of the projection's rows, so
   the logit's scale lives in the norms' gains, one vector shared by every head of the layer; they take the layer's
-  smallest gamma (by the rules above: sqrt on both gains, or all of it on the query gain under GQA).
+  smallest gamma (by the rules above: sqrt on both gains, or all of it on the query gain under GQA);
+* multi-head latent attention (MLA, DeepSeek-V3's): a head's logit is its non-rotary part (its query rows times its
+  key rows of the shared up-projection) plus its rotary part (its rotary query rows times one rotary key every head
+  shares). The non-rotary query and key rows take sqrt(gamma_h) each, the rotary query rows gamma_h, the shared
+  rotary key stays (the Kimi K2 paper's rule): the layer says so with `QKHeads.q_rows` / `k_rows`.
 
 A model reports its attention layers by giving each one a `qk_heads()` method (a `QKHeads`) and a `max_logit`
 attribute, None until the clip turns measuring on: the clip then sets it to a [local heads] fp32 tensor of -inf,
@@ -57,6 +61,12 @@ class QKHeads:
     shared_gain: bool = False
     """q and k are per-head-dim norm gains shared by every head (a QK-norm): the whole layer takes its smallest
     factor."""
+    q_rows: tuple[tuple[int, float], ...] = ()
+    """A query head's rows in `q` as runs of (rows, power): the run is scaled by gamma_h ** power (MLA: its
+    non-rotary rows by sqrt(gamma), its rotary rows by gamma). Empty: head_dim rows, power 1/2, or 1 under GQA."""
+    k_rows: tuple[tuple[int, float], ...] = ()
+    """A key head's rows in `k`, alike (power 0: rows the clip leaves, MLA's value rows in the shared up-projection).
+    Empty: head_dim rows, power 1/2; none under GQA."""
 
     @property
     def grouped(self) -> bool:
@@ -105,14 +115,15 @@ def _fp32_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
-def report_max_logit(layer: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
+def report_max_logit(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> None:
     """What an attention layer's forward calls to report: fold this forward's per-head max logits into
     `layer.max_logit` (in place) when the clip measures (the attribute is a tensor) and autograd records (a
-    training forward: validation and generation run without grad). A recompute (activation checkpointing) folds
+    training forward: validation and generation run without grad). ``scale`` is the layer's softmax scale (default
+    head_dim^-0.5). A recompute (activation checkpointing) folds
     the same values in again, which leaves a max unchanged."""
     if layer.max_logit is None or not torch.is_grad_enabled():
         return
-    m = max_logit_per_head(q, k)
+    m = max_logit_per_head(q, k, scale)
     if m.shape != layer.max_logit.shape:  # shapes only: no device sync
         raise ValueError(
             f"QK-clip: the layer computed {m.shape[0]} query heads but reports {layer.max_logit.shape[0]} "
@@ -213,14 +224,19 @@ class QKClip:
             return None
         layer, role = self._role[id(param)]
         h = layer.heads
-        if role == "k" and h.grouped:
+        runs = h.q_rows if role == "q" else h.k_rows
+        if role == "k" and h.grouped and not runs:
             return None
         gamma = self.wait()[layer.row, : h.n_heads]  # 1 for a head within tau: x * 1.0 is x, and no host sync
         power = 1.0 if h.grouped else 0.5
         if h.shared_gain:
             return gamma.min().pow(power)
         per_head = gamma if role == "q" else gamma.view(h.n_kv_heads, -1).amin(dim=1)
-        return per_head.pow(power).repeat_interleave(h.head_dim).unsqueeze(1)
+        if not runs:
+            return per_head.pow(power).repeat_interleave(h.head_dim).unsqueeze(1)
+        # [heads, rows per head]: each run of a head's rows at its power
+        cols = [per_head.pow(p).unsqueeze(1).expand(-1, n) for n, p in runs]
+        return torch.cat(cols, dim=1).reshape(-1, 1)
 
     def scale_(self, param: torch.Tensor, local: torch.Tensor, rows: slice | None = None) -> None:
         """Multiply `local` (`param`'s values this rank holds: rows `rows` of the whole matrix, all by default) by

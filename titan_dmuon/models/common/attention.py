@@ -15,6 +15,16 @@ from .norms import RMSNorm
 from .rope import RopeLayout, apply_rope
 
 
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """``q [B, L, H, D]`` over ``k [B, T, H, D]`` and ``v [B, T, H, Dv]`` -> ``[B, L, H, Dv]``: causal, or under the
+    boolean ``mask [B, 1, L, T]`` (True: attend); logits scaled by ``scale`` (default D^-0.5)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.transpose(1, 2)
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int, cache: LayerCache | None = None
 ) -> torch.Tensor:
@@ -27,9 +37,7 @@ def attend(
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=2)
         v = v.repeat_interleave(n_rep, dim=2)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-    return out.transpose(1, 2)
+    return sdpa(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -94,6 +102,12 @@ class Attention(nn.Module):
             shared_gain=self.q_norm is not None,
         )
 
+    def head_blocks(self) -> dict[str, tuple[int, int]]:
+        """Per-head Muon's blocks (FQNs relative to this module): `(0, head_dim)` for the rows of wq/wk/wv (one
+        query or kv head each), `(1, head_dim)` for the columns of wo (its input is the heads, concatenated)."""
+        rows = {f"{w}.weight": (0, self.head_dim) for w in ("wq", "wk", "wv")}
+        return {**rows, "wo.weight": (1, self.head_dim)}
+
     def param_inits(self, out: ParamInit) -> dict[str, ParamInit]:
         """torchtitan's init (FQNs relative to this module): the input projections trunc_normal(0.02), wo `out`
         (the block's depth-scaled std), the q/k norms 1."""
@@ -101,4 +115,4 @@ class Attention(nn.Module):
         return {**norms, **{f"{w}.weight": trunc_normal(0.02) for w in ("wq", "wk", "wv")}, "wo.weight": out}
 
 
-__all__ = ["Attention", "attend"]
+__all__ = ["Attention", "attend", "sdpa"]

@@ -84,9 +84,12 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
             self.register_state_dict_post_hook(_drop_tied_output)
             self.register_load_state_dict_pre_hook(_fill_tied_output)
-        self.register_buffer(
-            "rope_cache", precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False
-        )
+        self.register_buffer("rope_cache", self.rope_table(), persistent=False)
+
+    def rope_table(self) -> torch.Tensor:
+        """The RoPE table on the default device (rope.py): head_dim wide. A family whose rotary part is narrower or
+        scaled (DeepSeek-V3's MLA: qk_rope_head_dim, YaRN) overrides it."""
+        return precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
 
     def _apply(self, fn, recurse: bool = True):
         """`to_empty`, `to`, `cuda` ... (all of them run this). A conversion that cannot change a Parameter in place
@@ -152,7 +155,7 @@ class Decoder(nn.Module):
         """Compute the buffers on `device`: the RoPE table, and the MoE layers' aux-free biases and metric sums
         (zeros); they hold no parameters, so every rank computes all."""
         with torch.device(device):
-            self.rope_cache = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+            self.rope_cache = self.rope_table()
             for moe in moe_layers(self):
                 moe.init_buffers()
 
@@ -186,11 +189,17 @@ class Decoder(nn.Module):
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (torchtitan/PaLM convention): 6 * the matmul params a token uses (the blocks'
         with only top_k of each MoE layer's experts and the router, and the output head's, tied or not: the
-        embedding lookup is no matmul) plus 12 * layers * heads * head_dim * seq_len for attention scores/values."""
-        a = self.args
+        embedding lookup is no matmul) plus the attention scores' and values' (`attention_flops_per_token`)."""
         matmul = self.num_params(exclude_embedding=True) + (self.output.weight.numel() if self.tie_embeddings else 0)
         matmul -= self.num_inactive_params()
-        return 6 * matmul + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        return 6 * matmul + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        """The score and value products' training FLOPs per token: 6 * layers * heads * (q·k width + value width) *
+        seq_len, i.e. 12 * layers * heads * head_dim * seq_len when keys and values are head_dim wide. A family with
+        other widths (MLA) overrides it."""
+        a = self.args
+        return 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
 def get_nparams_and_flops(model: Decoder, seq_len: int) -> tuple[int, int]:

@@ -30,11 +30,14 @@ Load balancing, two ways (both per MoE layer):
 the optimizer components, the planner and the metrics find and drive it.
 
 A family keeps the rule for which of its layers are sparse (Qwen3-MoE: `decoder_sparse_step`, `mlp_only_layers`).
-Another routing rule (DeepSeek-V3's sigmoid, group-limited top-k) is a router with `Router`'s contract (forward ->
-(probabilities, weights, expert ids); an fp32 `expert_bias` buffer); shared experts would sit beside `experts`.
+DeepSeekMoE (DeepSeek-V3's, HF's DeepseekV3MoE) is the same layer with the router's sigmoid, group-limited rule
+(`Router(score_func="sigmoid", n_group=, topk_group=, route_scale=)`) and `shared_experts`, a dense SwiGLU every
+token goes through, its output added to the routed experts' (`shared_hidden_dim`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,8 @@ from torch.distributed.tensor import DTensor
 
 from titan_dmuon.components.initialization import ParamInit, trunc_normal
 from titan_dmuon.components.moe import MoELayer
+
+from .feed_forward import FeedForward
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -59,28 +64,68 @@ def _recomputing() -> bool:
 
 
 class Router(nn.Module):
-    """Top-k router (HF's Qwen3MoeTopKRouter): `gate` logits, softmax over the experts in fp32, the top-k
-    experts, their probabilities renormalized to sum 1 when `norm_topk_prob`, cast back to the input dtype.
+    """Top-k router: `gate` logits, scores over the experts in fp32, the top-k experts, their weights.
 
-    The persistent fp32 buffer `expert_bias` [E] (aux-loss-free balancing; zero, so HF's selection, unless
-    `MoE.update_bias` moved it) is added to the probabilities for the top-k selection only: the weights stay the
-    selected experts' probabilities. It is a buffer of every MoE (saved in checkpoints, set to zero by the
+    Two scoring rules:
+      * ``"softmax"`` (HF's Qwen3MoeTopKRouter): the scores are the softmax probabilities; with `norm_topk_prob`
+        the top-k weights are renormalized to sum 1.
+      * ``"sigmoid"`` (DeepSeek-V3's, HF's DeepseekV3TopkRouter): each expert's score is sigmoid(logit) on its
+        own; with ``n_group > 1`` the experts form groups, each group scored by the sum of its two best (biased)
+        scores, and only the ``topk_group`` best groups' experts may be chosen (group-limited routing); the top-k
+        weights are renormalized when `norm_topk_prob` and multiplied by ``route_scale`` (HF's
+        routed_scaling_factor). The probabilities the auxiliary loss sees are the scores normalized to sum 1.
+
+    The persistent fp32 buffer `expert_bias` [E] (aux-loss-free balancing; HF's e_score_correction_bias; zero unless
+    `MoE.update_bias` moved it or a checkpoint set it) is added to the scores for the selection only: the weights
+    stay the selected experts' scores. It is a buffer of every MoE (saved in checkpoints, set to zero by the
     model's `init_buffers`), so a flavor's state dict does not depend on its bias update rate."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        route_scale: float = 1.0,
+    ):
         super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"{num_experts} experts in {n_group} groups, {topk_group} chosen: they must divide")
+        if n_group > 1 and top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k ({top_k}) exceeds the experts of the {topk_group} chosen groups")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.score_func, self.n_group, self.topk_group, self.route_scale = score_func, n_group, topk_group, route_scale
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [n, dim]`` -> (probs fp32 [n, E], weights [n, top_k] in x's dtype, expert ids int64 [n, top_k])."""
         logits = self.gate(x)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        _, ids = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1)
-        top = probs.gather(-1, ids)
+        if self.score_func == "softmax":
+            scores = probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores + self.expert_bias.float()
+        if self.n_group > 1:  # only the experts of the topk_group groups with the best two-expert sums
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            chosen = best.topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), -math.inf).view(-1, self.num_experts)
+        _, ids = torch.topk(choice, self.top_k, dim=-1)
+        top = scores.gather(-1, ids)
         if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
+            denominator = top.sum(dim=-1, keepdim=True)
+            top = top / (denominator if self.score_func == "softmax" else denominator + 1e-20)
+        if self.route_scale != 1.0:
+            top = top * self.route_scale
         return probs, top.to(logits.dtype), ids
 
 
@@ -184,8 +229,8 @@ class _AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(MoELayer):
-    """The sparse feed-forward: `router`, `experts`, and `dispatcher` (a plain attribute, `LocalDispatcher` by
-    default).
+    """The sparse feed-forward: `router`, `experts`, optionally `shared_experts` (a `FeedForward` every token goes
+    through, added to the routed output), and `dispatcher` (a plain attribute, `LocalDispatcher` by default).
 
     Plain attributes the trainer / the TP plan set:
       * `aux_loss_scale` (default 1.0): multiplies the aux loss's gradient (the trainer sets
@@ -210,14 +255,30 @@ class MoE(MoELayer):
         aux_loss_coef: float = 0.0,
         n_moe_layers: int = 1,
         bias_update_rate: float = 0.0,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        route_scale: float = 1.0,
+        shared_hidden_dim: int = 0,
     ):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be in [1, num_experts ({num_experts})]")
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.n_moe_layers, self.bias_update_rate = aux_loss_coef, n_moe_layers, bias_update_rate
-        self.router = Router(dim, num_experts, top_k, norm_topk_prob)
+        self.router = Router(
+            dim,
+            num_experts,
+            top_k,
+            norm_topk_prob,
+            score_func=score_func,
+            n_group=n_group,
+            topk_group=topk_group,
+            route_scale=route_scale,
+        )
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        # DeepSeekMoE's shared experts: one SwiGLU every token goes through beside its routed experts
+        self.shared_experts = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim > 0 else None
         self.dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
         self.aux_group: dist.ProcessGroup | None = None
@@ -250,7 +311,8 @@ class MoE(MoELayer):
         if self.aux_loss_coef > 0:
             grad_scale = self.aux_loss_coef * self.aux_loss_scale / self.n_moe_layers
             y = _AddAuxLoss.apply(y, aux, grad_scale)
-        return y.view(shape)
+        y = y.view(shape)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
 
     def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the aux loss, with grad; the whole sequence's aux value, detached).
@@ -316,11 +378,13 @@ class MoE(MoELayer):
     def param_inits(self, out: ParamInit) -> dict[str, ParamInit]:
         """As the dense FeedForward's matrices (FQNs relative to this module): the router's gate and the w1 stack
         trunc_normal(0.02), the w2 and w3 stacks `out` (the block's depth-scaled std)."""
+        shared = {} if self.shared_experts is None else self.shared_experts.param_inits(out)
         return {
             "router.gate.weight": trunc_normal(0.02),
             "experts.w1": trunc_normal(0.02),
             "experts.w2": out,
             "experts.w3": out,
+            **{f"shared_experts.{k}": v for k, v in shared.items()},
         }
 
 

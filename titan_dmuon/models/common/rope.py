@@ -8,10 +8,16 @@ dimensions form pair i is the checkpoint's convention, so each family picks its 
   * ``"rotate_half"`` (Hugging Face's, Qwen3's): dimensions i and i + head_dim/2.
 
 Both rotate in fp32 and return ``x``'s dtype.
+
+A long-context model stretches the table with YaRN (`Yarn`, DeepSeek-V3's and Kimi K2's ``rope_scaling``): the
+low frequencies are interpolated by ``factor``, the high ones kept, a linear ramp between; cos and sin carry the
+attention factor, and the softmax scale that the scaling implies is `Yarn.softmax_scale`.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,11 +25,71 @@ import torch
 RopeLayout = Literal["interleaved", "rotate_half"]
 
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """Return the RoPE table ``[max_seq_len, head_dim // 2, 2]`` holding (cos, sin) per position and pair."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling, Hugging Face's ``rope_scaling`` fields of ``"rope_type": "yarn"`` (arXiv 2309.00071)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        """The [dim / 2] frequencies: pair i's extrapolated (``theta``'s) and interpolated (/ factor) frequencies
+        blended by a ramp over the pairs between the ones making ``beta_fast`` and ``beta_slow`` turns over the
+        original context (bounds floored and ceiled)."""
+
+        def pair(turns: float) -> float:
+            return dim * math.log(self.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(pair(self.beta_fast)), 0)
+        high = min(math.ceil(pair(self.beta_slow)), dim - 1)
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+        return (1.0 / (self.factor * base)) * ramp + (1.0 / base) * (1 - ramp)
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by (1 when mscale equals mscale_all_dim, as DeepSeek-V3's)."""
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """The logits' scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 when ``mscale_all_dim`` is set."""
+        m = _yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
+        return head_dim**-0.5 * m * m
+
+    def hf(self) -> dict:
+        """The ``rope_scaling`` / ``rope_parameters`` fields of config.json (without rope_theta)."""
+        return {
+            "rope_type": "yarn",
+            "factor": self.factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            "beta_fast": self.beta_fast,
+            "beta_slow": self.beta_slow,
+            "mscale": self.mscale,
+            "mscale_all_dim": self.mscale_all_dim,
+        }
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+    """Return the RoPE table ``[max_seq_len, head_dim // 2, 2]`` holding (cos, sin) per position and pair
+    (YaRN-scaled with ``yarn``)."""
+    if yarn is None:
+        freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        scale = 1.0
+    else:
+        freqs, scale = yarn.inv_freq(head_dim, theta), yarn.attention_factor
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return table if scale == 1.0 else table * scale
 
 
 def _cos_sin(rope: torch.Tensor, seqlen: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,4 +127,4 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: RopeLayout) -> torch
     return apply_rope_rotate_half(x, rope)
 
 
-__all__ = ["RopeLayout", "apply_rope", "apply_rope_interleaved", "apply_rope_rotate_half", "precompute_rope"]
+__all__ = ["RopeLayout", "Yarn", "apply_rope", "apply_rope_interleaved", "apply_rope_rotate_half", "precompute_rope"]

@@ -25,14 +25,12 @@ def blocks(model: Decoder) -> list[tuple[str, nn.Module]]:
 
 
 def head_blocks(model: Decoder) -> dict[str, tuple[int, int]]:
-    """Per-head Muon's blocks: each attention head of every block, `(0, head_dim)` for the rows of wq/wk/wv (one
-    query or kv head each) and `(1, head_dim)` for the columns of wo (its input is the heads, concatenated)."""
-    hd = model.args.head_dim
+    """Per-head Muon's blocks: each attention head of every block, as its attention module gives them
+    (`head_blocks()`: GQA's `(0, head_dim)` rows of wq/wk/wv and `(1, head_dim)` columns of wo; MLA's per-head rows
+    and columns of its up projections and wo)."""
     out: dict[str, tuple[int, int]] = {}
-    for name, _ in blocks(model):
-        for proj in ("wq", "wk", "wv"):
-            out[f"{name}.attention.{proj}.weight"] = (0, hd)
-        out[f"{name}.attention.wo.weight"] = (1, hd)
+    for name, block in blocks(model):
+        out.update({f"{name}.attention.{k}": v for k, v in block.attention.head_blocks().items()})
     return out
 
 

@@ -31,17 +31,20 @@ modules add to the plan:
     group's whole sequence). Without sequence parallelism (generation) every rank holds the whole sequence and runs
     the MoE as one process would.
 
-A family whose attention has other projections (e.g. DeepSeek-V3's MLA) passes its own ``attention_plan``.
+  * Multi-head latent attention (mla.py, DeepSeek-V3): `mla_attention_plan`. Each rank its heads (the query and
+    key/value up-projections column-parallel, `wo` row-parallel); the low-rank down projections and their norms
+    whole on every rank, on the whole sequence; the shared rotary key's grad summed over TP.
+  * Shared experts (DeepSeekMoE): a SwiGLU beside the routed experts, sharded as a dense one; under sequence
+    parallelism it gathers the MoE's chunks and scatters its output back to them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -51,6 +54,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .mla import MLAttention
 from .moe import MoE
 
 logger = logging.getLogger(__name__)
@@ -69,40 +73,84 @@ _ROUTER_GATE = SequenceParallel(sequence_dim=0, use_local_output=True)
 def gqa_attention_plan(attention: nn.Module, sequence_parallel: bool) -> Plan:
     """Grouped-query attention (attention.py), FQNs relative to the block: column-parallel wq wk wv, the q/k norms
     (if any) on the local heads, row-parallel wo (its output back to sequence shards under sequence parallelism)."""
-    plan: Plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    plan: Plan = {}
+    if sequence_parallel:
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        )
+    plan.update({f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")})
     if getattr(attention, "q_norm", None) is not None:
         plan.update({"attention.q_norm": _HEAD_NORM, "attention.k_norm": _HEAD_NORM})
     plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     return plan
 
 
-def feed_forward_plan(feed_forward: nn.Module, sequence_parallel: bool) -> Plan:
-    """A dense SwiGLU (column-parallel w1 w3, row-parallel w2) or an MoE (its own sequence chunk, the router's gate
-    on the local tokens; nothing to shard without sequence parallelism), FQNs relative to the block."""
-    if isinstance(feed_forward, MoE):
-        return {"feed_forward": _MOE_CHUNK, "feed_forward.router.gate": _ROUTER_GATE} if sequence_parallel else {}
+class _SumGradOverTP(ParallelStyle):
+    """Identity forward on a tensor every TP rank holds whole; its grad summed over the TP group in backward (the
+    tensor met only this rank's heads). MLA's shared rotary key."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, output):
+            held = DTensor.from_local(output, device_mesh, (Replicate(),), run_check=False)
+            return held.to_local(grad_placements=(Partial(),))  # backward: Partial -> Replicate, an all-reduce
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def mla_attention_plan(attention: nn.Module, sequence_parallel: bool) -> Plan:
+    """Multi-head latent attention (mla.py), FQNs relative to the block. Each rank its heads: column-parallel
+    query projection (`wq` or `wq_b`) and key/value up-projection `wkv_b`, row-parallel `wo`. The down projections
+    (`wq_a`, `wkv_a`) and their norms stay plain, whole on every rank, fed the whole sequence (a plain tensor: under
+    sequence parallelism the attention's input is gathered): their grads come out the same on every TP rank, since
+    the column-parallel inputs sum theirs over TP and `rope_key` sums the shared rotary key's."""
     plan: Plan = {}
     if sequence_parallel:
-        plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    plan["feed_forward.w1"] = ColwiseParallel()
-    plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-    plan["feed_forward.w3"] = ColwiseParallel()
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        )
+    plan[f"attention.{attention.q_proj}"] = ColwiseParallel()
+    plan["attention.wkv_b"] = ColwiseParallel()
+    plan["attention.rope_key"] = _SumGradOverTP()
+    plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     return plan
 
 
-def block_plan(
-    block: nn.Module,
-    sequence_parallel: bool,
-    attention_plan: Callable[[nn.Module, bool], Plan] = gqa_attention_plan,
-) -> Plan:
-    """One block's plan: under sequence parallelism the norms sharded on the sequence and the attention's input
-    gathered; the attention's and the feed-forward's own."""
+def attention_plan(attention: nn.Module, sequence_parallel: bool) -> Plan:
+    """The attention's plan by its kind: MLA's or grouped-query attention's."""
+    if isinstance(attention, MLAttention):
+        return mla_attention_plan(attention, sequence_parallel)
+    return gqa_attention_plan(attention, sequence_parallel)
+
+
+def swiglu_plan(prefix: str, sequence_parallel: bool) -> Plan:
+    """A SwiGLU at `prefix` (column-parallel w1 w3, row-parallel w2); under sequence parallelism its input is
+    gathered from sequence shards and its output reduce-scattered back to them."""
     plan: Plan = {}
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        )
+        plan[prefix] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan[f"{prefix}.w1"] = ColwiseParallel()
+    plan[f"{prefix}.w2"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    plan[f"{prefix}.w3"] = ColwiseParallel()
+    return plan
+
+
+def feed_forward_plan(feed_forward: nn.Module, sequence_parallel: bool) -> Plan:
+    """A dense SwiGLU, or an MoE (its own sequence chunk, the router's gate on the local tokens; nothing to shard
+    without sequence parallelism) whose shared experts, if any, are a SwiGLU over the whole sequence (gathered
+    from the chunks and scattered back), FQNs relative to the block."""
+    if not isinstance(feed_forward, MoE):
+        return swiglu_plan("feed_forward", sequence_parallel)
+    plan: Plan = {"feed_forward": _MOE_CHUNK, "feed_forward.router.gate": _ROUTER_GATE} if sequence_parallel else {}
+    if feed_forward.shared_experts is not None:
+        plan.update(swiglu_plan("feed_forward.shared_experts", sequence_parallel))
+    return plan
+
+
+def block_plan(block: nn.Module, sequence_parallel: bool) -> Plan:
+    """One block's plan: under sequence parallelism the norms sharded on the sequence; the attention's (its input
+    gathered) and the feed-forward's own."""
+    plan: Plan = {"attention_norm": SequenceParallel()} if sequence_parallel else {}
     plan.update(attention_plan(block.attention, sequence_parallel))
     if sequence_parallel:
         plan["ffn_norm"] = SequenceParallel()
@@ -137,7 +185,6 @@ def apply_tp(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
-    attention_plan: Callable[[nn.Module, bool], Plan] = gqa_attention_plan,
 ) -> nn.Module:
     """Shard ``model`` (a `decoder.Decoder`) over the 1D ``tp_mesh`` in place and return it (see the module
     docstring). With ``loss_parallel`` the model returns a DTensor ``[B, L, vocab_size]`` placed ``Shard(-1)`` on
@@ -161,7 +208,7 @@ def apply_tp(
             raise RuntimeError(f"tied weight sharded differently: {emb.placements} vs {out.placements}")
         model.output.weight = emb
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel, attention_plan))
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))
         block.attention.tp_rank, block.attention.tp_size = tp_mesh.get_local_rank(), tp  # its heads' place (QK-clip)
         if isinstance(block.feed_forward, MoE) and sequence_parallel:
             block.feed_forward.aux_group = tp_mesh.get_group()
@@ -174,4 +221,14 @@ def apply_tp(
     return model
 
 
-__all__ = ["Plan", "apply_tp", "block_plan", "feed_forward_plan", "gqa_attention_plan", "top_plan"]
+__all__ = [
+    "Plan",
+    "apply_tp",
+    "attention_plan",
+    "block_plan",
+    "feed_forward_plan",
+    "gqa_attention_plan",
+    "mla_attention_plan",
+    "swiglu_plan",
+    "top_plan",
+]
