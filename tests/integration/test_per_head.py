@@ -4,7 +4,8 @@ In process: the llama3 family's head blocks, what the optimizer component hands 
 (a family without head blocks, per_head_wo alone). Through train.py (the tinymodel, 8 steps on the same global batch
 of 8 x 32 tokens, read back from TensorBoard): dmuon with per-head q/k/v/o on dp2 x tp2 (4 ranks) equals its
 1-process run and the muon_naive baseline with per_head on dp2 x tp2, at 5e-5; its ledger logs TP gathers and
-scatters for the feed-forward matrices only (the heads stay on their TP ranks).
+scatters for the feed-forward matrices only (the heads stay on their TP ranks). The deepseek_v3 family's MLA blocks,
+and dmuon equal to muon_naive with them (and not to the whole-matrix update).
 """
 
 from __future__ import annotations
@@ -45,6 +46,33 @@ def test_llama3_head_blocks():
     eight_b = head_blocks(model)
     assert eight_b["layers.0.attention.wk.weight"] == (0, 128) and eight_b["layers.31.attention.wo.weight"] == (1, 128)
     assert model.layers["0"].attention.wk.weight.shape[0] // 128 == 8
+
+
+def test_deepseek_v3_mla_head_blocks():
+    """MLA's heads: a head's rows of the query up-projection (non-rotary + rotary), of wkv_b (its key rows, then its
+    value rows) and its columns of wo; the down projections (wq_a, wkv_a) are whole matrices."""
+    from titan_dmuon.models.deepseek_v3 import SPEC, build_model
+
+    tiny = SPEC.head_blocks(build_model("tinymodel", vocab_size=256))  # 4 heads: nope 16, rope 8, v 16
+    assert tiny == {
+        f"layers.{i}.attention.{proj}.weight": block
+        for i in range(2)
+        for proj, block in (("wq_b", (0, 24)), ("wkv_b", (0, 32)), ("wo", (1, 16)))
+    }
+    moonlight = SPEC.head_blocks(SPEC.build("moonlight_16b_a3b"))  # no query latent: wq itself, 16 heads of 192 rows
+    assert moonlight["layers.26.attention.wq.weight"] == (0, 192)
+    assert moonlight["layers.0.attention.wkv_b.weight"] == (0, 256)
+
+
+def test_deepseek_v3_per_head_dmuon_equals_muon_naive(tmp_path):
+    """Per-head Muon on MLA's blocks through train.py: dmuon (blocks batched by shape on the owner) and muon_naive
+    (the gathered full matrix split the same way) train the same model."""
+    argv = ("--model.name", "deepseek_v3", *PER_HEAD, "--training.local_batch_size", "4")
+    dmuon = run(1, tmp_path / "dmuon", *argv)
+    naive = run(1, tmp_path / "naive", *argv, "--optimizer.name", "muon_naive")
+    assert_same_run(dmuon, naive, rtol=5e-5)
+    whole = run(1, tmp_path / "whole", "--model.name", "deepseek_v3", "--training.local_batch_size", "4")
+    assert whole["loss/train"][STEPS] != pytest.approx(dmuon["loss/train"][STEPS], rel=1e-4)  # the blocks changed it
 
 
 def test_component_passes_the_family_blocks():

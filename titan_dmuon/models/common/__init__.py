@@ -1,9 +1,12 @@
-"""The shared core of the decoder families (llama3, qwen3, ...): one concern per module.
+"""The shared core of the decoder families (llama3, qwen3, deepseek_v3): one concern per module.
 
-  * `norms.py` RMSNorm; `rope.py` the RoPE table and its two pair layouts (Meta's interleaved, HF's rotate_half);
-  * `attention.py` grouped-query attention (optional per-head q/k norm, the KV-cache path);
-  * `feed_forward.py` SwiGLU; `moe.py` the mixture of experts (router, expert stacks, grouped GEMM, auxiliary
-    loss, selection bias, the dispatcher expert parallelism replaces);
+  * `norms.py` RMSNorm; `rope.py` the RoPE table (optionally YaRN-scaled) and its two pair layouts (Meta's
+    interleaved, HF's rotate_half);
+  * `attention.py` grouped-query attention (optional per-head q/k norm, the KV-cache path); `mla.py` multi-head
+    latent attention (DeepSeek-V3's, with the latent KV cache);
+  * `feed_forward.py` SwiGLU; `moe.py` the mixture of experts (softmax or DeepSeek-V3's sigmoid group-limited
+    router, expert stacks, shared experts, grouped GEMM, auxiliary loss, selection bias, the dispatcher expert
+    parallelism replaces);
   * `block.py` the pre-norm decoder block; `decoder.py` the model (embedding, blocks, norm, optionally tied head,
     init, parameter and FLOP counts);
   * `tensor_parallel.py` the TP plan, read off the model's modules; `memory.py` the activation estimate;
