@@ -13,8 +13,9 @@ import torch
 
 
 class LayerCache:
-    """One attention layer's keys and values ``[B, max_len, kv_heads, head_dim]``, allocated at the first step
-    with that step's dtype, device and (TP-local) head count."""
+    """One attention layer's keys ``[B, max_len, kv_heads, k_dim]`` and values ``[B, max_len, kv_heads, v_dim]``,
+    each allocated at the first step with that step's dtype, device, (TP-local) head count and width of its own
+    (multi-head latent attention caches its latent as the key and its narrower rotary key as the value)."""
 
     def __init__(self, owner: KVCache) -> None:
         self._owner = owner
@@ -26,8 +27,8 @@ class LayerCache:
         boolean attention mask ``[B, 1, L, T]`` (True: attend)."""
         owner = self._owner
         if self.k is None:
-            shape = (k.shape[0], owner.max_len, k.shape[2], k.shape[3])
-            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+            self.k = k.new_empty(k.shape[0], owner.max_len, *k.shape[2:])
+            self.v = v.new_empty(v.shape[0], owner.max_len, *v.shape[2:])
         start, end = owner.length, owner.length + k.shape[1]
         self.k[:, start:end], self.v[:, start:end] = k, v
         return self.k[:, :end], self.v[:, :end], owner.mask

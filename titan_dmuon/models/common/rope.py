@@ -66,6 +66,30 @@ class Yarn:
         m = _yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
         return head_dim**-0.5 * m * m
 
+    @classmethod
+    def from_hf(cls, fields: dict) -> Yarn:
+        """The scaling a config.json's yarn ``rope_scaling`` / ``rope_parameters`` describes, its absent fields read
+        as transformers reads them (beta_fast 32, beta_slow 1; without mscale, cos and sin carry mscale(factor), as
+        with mscale 0 here; without mscale_all_dim, the softmax scale is head_dim^-0.5). KeyError without factor
+        or original_max_position_embeddings."""
+        return cls(
+            factor=fields["factor"],
+            original_max_position_embeddings=fields["original_max_position_embeddings"],
+            beta_fast=fields.get("beta_fast") or 32.0,
+            beta_slow=fields.get("beta_slow") or 1.0,
+            mscale=fields.get("mscale") or 0.0,
+            mscale_all_dim=fields.get("mscale_all_dim") or 0.0,
+        )
+
+    def scales_like(self, other: Yarn, dim: int, theta: float) -> bool:
+        """Whether ``other`` gives ``dim`` rotary dims the same frequencies, cos/sin factor and softmax scale (other
+        fields can: mscale 0 and 1 without mscale_all_dim, or original contexts that put the ramp on the same pairs)."""
+        return (
+            math.isclose(self.attention_factor, other.attention_factor)
+            and math.isclose(self.softmax_scale(dim), other.softmax_scale(dim))
+            and torch.allclose(self.inv_freq(dim, theta), other.inv_freq(dim, theta), rtol=1e-6, atol=0)
+        )
+
     def hf(self) -> dict:
         """The ``rope_scaling`` / ``rope_parameters`` fields of config.json (without rope_theta)."""
         return {

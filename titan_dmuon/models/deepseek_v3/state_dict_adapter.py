@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from titan_dmuon.models.common.hf_adapter import DENSE_LAYER_NAMES, EXPERT_NAMES, ROUTER_NAMES, DecoderStateDictAdapter
+from titan_dmuon.models.common.rope import Yarn
 
 from .model import ModelArgs
 
@@ -74,12 +75,20 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
         return [f"layers.{i}.feed_forward.router.expert_bias" for i in moe_layers]
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
-        """Also: the folder's RoPE scaling must be ours (the logits' scale depends on it)."""
+        """Also: the folder's RoPE scaling must compute what ours does: the frequencies, the cos/sin factor and the
+        softmax scale (each depends on more fields than the factor; `Yarn.scales_like`)."""
         super().check_hf_config(config)
+        a = self.args
         theirs = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        ours = self.args.rope_scaling
+        ours = a.rope_scaling
         kind = theirs.get("rope_type", theirs.get("type", "default"))
-        if (kind == "yarn") != (ours is not None) or (ours is not None and theirs.get("factor") != ours.factor):
+        same = (kind == "yarn") == (ours is not None)
+        if same and ours is not None:
+            try:
+                same = Yarn.from_hf(theirs).scales_like(ours, a.qk_rope_head_dim, a.rope_theta)
+            except KeyError:
+                same = False
+        if not same:
             raise ValueError(f"config.json's RoPE scaling {theirs or None} is not the model's ({ours})")
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
