@@ -157,6 +157,10 @@ class Trainer:
         model = build_meta_model(self.spec, cfg, vocab)
         self.num_params, self.flops_per_token = self.spec.nparams_and_flops(model, t.seq_len)
         self.n_layers = len(self.spec.blocks(model))
+        #    Whether the whole model has MoE layers, and their expert count: a pipeline stage may hold none
+        #    (DeepSeek-V3's dense first layers) and must still join the step's MoE all-reduce, with the grid's shape.
+        whole_moe = moe_layers(model)
+        self.has_moe, self._moe_experts = bool(whole_moe), max((m.num_experts for m in whole_moe), default=0)
         #    Pipeline: this rank keeps the modules of its stages only, with the whole model's FQNs
         #    (titan_dmuon/parallel/pipeline.py); everything below treats that part as the model.
         self.pipeline: Pipeline | None = None
@@ -189,7 +193,6 @@ class Trainer:
         materialize(self.model, self.spec, self.optimizer_component, self.device, self.seed)
         #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
         #     checkpointing): scaled as the loss is, by 1 / accumulation steps (titan_dmuon/components/moe.py).
-        self.has_moe = bool(moe_layers(self.model))
         self._moe_rows = self._moe_layer_rows()
         #     Pipeline: the schedule over this rank's stages; the step's rows (all accumulation micro-batches) are
         #     its microbatches.
@@ -409,8 +412,9 @@ class Trainer:
         fraction of the mean load (1 = balanced), as device scalars (read on log steps only: no host sync here).
         Tokens are never dropped (no capacity limit)."""
         stats = moe_stats(self.model)
-        local = stats["tokens_per_expert"].to(self.device, torch.float64)
-        n_local, experts = local.shape
+        experts = self._moe_experts
+        local = stats["tokens_per_expert"].to(self.device, torch.float64).reshape(-1, experts)  # [0, E] on no layer
+        n_local = local.shape[0]
         # One row per layer of the whole model (a pipeline stage holds some of them), a last column flagging the
         # rows of MoE layers, and the aux loss summed over this rank's layers with their number: summed over every
         # rank, each layer's counts are its stage's ranks' and the aux loss is the mean over layers and ranks.

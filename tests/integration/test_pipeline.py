@@ -11,8 +11,9 @@ runs there.
   multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); Z2's
   broadcast bytes independent of the microbatch count; dmuon == muon_naive under pp2; an explicit split whose
   first stage has no Muon matrix; the Qwen3 MoE model under pp2 x ep2 against its single process (losses, aux loss,
-  every layer's load); checkpoints across pipeline degrees (bitwise on pp2); validation, AC, accumulation, the
-  Hugging Face export and generate.py under pp2; a stop signal on one stage; the configuration errors.
+  every layer's load); DeepSeek-V3 on pp2 with a stage that has no MoE layer; checkpoints across pipeline degrees
+  (bitwise on pp2); validation, AC, accumulation, the Hugging Face export and generate.py under pp2; a stop signal
+  on one stage; the configuration errors.
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def test_explicit_split_with_a_stage_without_muon_matrices(tmp_path, reference) 
     assert_same_run(scalars, reference, rtol=1e-5)
 
 
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+ONE_ROW_MICROBATCHES = ("--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "8")
+
+
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     """The Qwen3 MoE debug model on 1 process, its 8 rows a step as 8 micro-batches of one row: the microbatches a
@@ -149,14 +154,24 @@ def moe_reference(tmp_path_factory):
         1,
         tmp_path_factory.mktemp("moe_ref"),
         *MOE,
-        "--training.local_batch_size",
-        "1",
-        "--training.gradient_accumulation_steps",
-        "8",
+        *ONE_ROW_MICROBATCHES,
     )
 
 
-MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+def test_deepseek_v3_pp2_with_a_stage_without_moe_matches_single_process(tmp_path) -> None:
+    """DeepSeek-V3's dense first layer: on pp2 (1F1B) stage 0 holds the embedding and the dense layer 0, stage 1
+    the MoE layer 1. The MoE step's all-reduce of the expert counts must still run on the stage without an MoE
+    layer (it hung there once), and the losses, the aux loss and the layer count are the single process's with the
+    same one-row microbatches."""
+    model = ("--model.name", "deepseek_v3")
+    ref = _train(1, tmp_path / "ref", *model, *ONE_ROW_MICROBATCHES)
+    scalars = _train(
+        2, tmp_path / "pp", *model, *_pp(2, "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1")
+    )
+    assert_same_run(scalars, ref, rtol=1e-5)
+    assert set(scalars["moe/layers"].values()) == {1.0}
+    for step in range(1, STEPS + 1):
+        assert abs(scalars["moe/aux_loss"][step] - ref["moe/aux_loss"][step]) <= 1e-5 * ref["moe/aux_loss"][step]
 
 
 @pytest.mark.slow
