@@ -1,8 +1,8 @@
-"""The planner's activation estimates (titan_dmuon/models/common/memory.py) against the bytes a
-real forward leaves for its backward (tests/activation_memory.py: every storage an op made that is still alive,
-de-duplicated; the same count as `saved_tensors_hooks` where no AC hides the saved tensors), in bf16 as on a GPU, for
-one block and for the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with sequence
-parallelism, with and without loss parallelism. Each within 10%; `-s` prints the table.
+"""The planner's activation estimates (titan_dmuon/models/common/memory.py) against the bytes a real forward leaves
+for its backward (tests/activation_memory.py: every storage an op made that is still alive, de-duplicated; the same
+count as `saved_tensors_hooks` where no AC hides the saved tensors and none dies with the forward), in bf16 as on a
+GPU, for one block and for the head (final norm, output, loss), for every AC mode, on one rank and on TP 2 with
+sequence parallelism, with and without loss parallelism. Each within 10%; `-s` prints the table.
 
 The block's input and the head's are made inside the counted region from a leaf (as the previous layer's output
 is), so a block that keeps its input (every checkpointed one) is charged for it.
@@ -21,15 +21,39 @@ from tests.activation_memory import held_bytes, module_storages, saved_tensor_by
 TOLERANCE = 0.10
 # (family, flavor, ModelArgs overrides): Llama-3's tinymodel, multi-head attention; Qwen3's tinymodel: grouped-query
 # attention (kv heads repeated for SDPA), q/k norms, attention twice as wide as dim; Qwen3-MoE's debugmodel_moe
+# DeepSeek-V3's debugmodel: multi-head latent attention (models/common/mla.py) with and without the query latent, and
+# every block dense (no experts) or every block a DeepSeekMoE (sigmoid group-limited router, a shared expert). Its
+# heads are made as wide as their values (non-rotary 16 + rotary 16 = v 32): torch's CPU SDPA takes the fused kernel
+# only then (else the math path, which keeps the fp32 L x L probabilities, as no GPU kernel does); wkv_b's output
+# (non-rotary 16 + v 32 per head) stays wider than v, so v kept as its view is still told apart.
+_MLA = {"qk_nope_head_dim": 16}
 FLAVORS = {
     "tinymodel": ("llama3", "tinymodel", {}),
     "qwen3-tinymodel": ("qwen3", "tinymodel", {}),
     "qwen3-debugmodel_moe": ("qwen3", "debugmodel_moe", {}),  # every block an MoE (models/common/moe.py)
+    "deepseek_v3-moe": ("deepseek_v3", "debugmodel", {**_MLA, "first_k_dense_replace": 0}),
+    "deepseek_v3-moe-no_q_lora": ("deepseek_v3", "debugmodel", {**_MLA, "first_k_dense_replace": 0, "q_lora_rank": 0}),
+    "deepseek_v3-dense": ("deepseek_v3", "debugmodel", {**_MLA, "num_experts": 0}),
+    "deepseek_v3-dense-no_q_lora": ("deepseek_v3", "debugmodel", {**_MLA, "num_experts": 0, "q_lora_rank": 0}),
 }
 # One rank: every kind of attention and feed-forward (llama3 and qwen3 share the core: the GQA llama3 debugmodel adds no
-# code path the qwen3 tinymodel does not walk). TP 2: the kinds whose layout TP changes, q/k norms and the MoE.
-ONE_RANK = ["tinymodel", "qwen3-tinymodel", "qwen3-debugmodel_moe"]
-TP2 = ["qwen3-tinymodel", "qwen3-debugmodel_moe"]
+# code path the qwen3 tinymodel does not walk; the four DeepSeek-V3 blocks each run their matmuls in another order,
+# which op-level AC keeps every other one of). TP 2: the kinds whose layout TP changes: q/k norms, the MoE, MLA (its
+# latents whole on every rank) with the shared experts (over the gathered sequence), MLA without a query latent.
+ONE_RANK = [
+    "tinymodel",
+    "qwen3-tinymodel",
+    "qwen3-debugmodel_moe",
+    "deepseek_v3-moe",
+    "deepseek_v3-moe-no_q_lora",
+    "deepseek_v3-dense",
+    "deepseek_v3-dense-no_q_lora",
+]
+TP2 = ["qwen3-tinymodel", "qwen3-debugmodel_moe", "deepseek_v3-moe", "deepseek_v3-dense-no_q_lora"]
+# DeepSeekMoE's router saves tensors for autograd nodes that die with outputs the forward drops (the group-limited
+# selection's, and the normalized scores' of the auxiliary loss, which is off): the saved-tensor hooks saw them
+# packed, the graph no longer holds them
+HOOKS_SEE_FREED = {"deepseek_v3-moe", "deepseek_v3-moe-no_q_lora"}
 VOCAB, B, T = 2048, 2, 64
 # (activation_checkpoint.mode, selective_ac_option): the block kinds every mode is made of
 AC = [("none", "2"), ("full", "2"), ("selective", "op")]
@@ -119,7 +143,10 @@ def test_estimate_matches_what_autograd_keeps_on_one_rank(flavor):
         model = _model(flavor)
         got = _measure(model, mode, option)
         if mode == "none":  # the counter agrees with autograd's own saved-tensor hooks where they see everything
-            assert got["block_saved_hooks"] == got["block"]
+            if flavor in HOOKS_SEE_FREED:
+                assert got["block_saved_hooks"] > got["block"]
+            else:
+                assert got["block_saved_hooks"] == got["block"]
         rows.append((f"{flavor} AC {mode}/{option} tp1", got, _estimate(model, mode, option, 1)))
     _check(rows)
 
