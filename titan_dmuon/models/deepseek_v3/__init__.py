@@ -75,6 +75,8 @@ deepseek_v3_configs: dict[str, ModelArgs] = {
         n_shared_experts=2,
         first_k_dense_replace=1,
         routed_scaling_factor=2.446,
+        aux_loss_coef=0.001,  # its config.json's aux_loss_alpha
+        bias_update_rate=0.001,  # auxiliary-loss-free balancing at DeepSeek-V3's rate (noaux_tc)
     ),
     # deepseek-ai/DeepSeek-V3 config.json (its multi-token-prediction layer not built)
     "671B": ModelArgs(
@@ -96,6 +98,8 @@ deepseek_v3_configs: dict[str, ModelArgs] = {
         n_group=8,
         topk_group=4,
         routed_scaling_factor=2.5,
+        aux_loss_coef=0.0001,  # the report's balance loss weight (ours is per layer over the batch, its per sequence)
+        bias_update_rate=0.001,  # the report's bias update speed
     ),
     # moonshotai/Kimi-K2-Base config.json: DeepSeek-V3 with 64 heads, 384 experts (no groups), one dense layer
     "kimi_k2": ModelArgs(
@@ -115,6 +119,7 @@ deepseek_v3_configs: dict[str, ModelArgs] = {
         n_shared_experts=1,
         first_k_dense_replace=1,
         routed_scaling_factor=2.827,
+        bias_update_rate=0.001,  # DeepSeek-V3's auxiliary-loss-free balancing
     ),
 }
 
