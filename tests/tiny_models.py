@@ -81,8 +81,9 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x)).pow(2).mean()
 
 
-def apply_llama_tp(model: TinyLlama, tp_mesh) -> None:
-    """Megatron-style TP: q/k/v and gate/up column-wise, o and down row-wise."""
+def apply_llama_tp(model: TinyLlama, tp_mesh, mlp: bool = True) -> None:
+    """Megatron-style TP: q/k/v and gate/up column-wise, o and down row-wise (`mlp=False`: the MLPs stay plain,
+    whole on every TP rank, fed the replicated activations)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in model.layers:
@@ -96,6 +97,8 @@ def apply_llama_tp(model: TinyLlama, tp_mesh) -> None:
                 "o_proj": RowwiseParallel(),
             },
         )
+        if not mlp:
+            continue
         parallelize_module(
             block.mlp,
             tp_mesh,

@@ -180,7 +180,9 @@ class Trainer:
         )
         # 7. Parallelize on meta: TP -> EP -> AC -> compile -> the optimizer component's prepare (the params it keeps
         #    from FSDP2) -> FSDP2 (titan_dmuon/parallel/parallelize.py).
-        self.model = parallelize(model, self.dims, self.mesh, cfg, self.spec, self.optimizer_component)
+        self.model = parallelize(
+            model, self.dims, self.mesh, cfg, self.spec, self.optimizer_component, whole_model_has_moe=self.has_moe
+        )
         #     Loss parallel (TP): the model's logits stay sharded over the vocabulary (see `_loss_parallel`).
         self.loss_parallel = self.dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
         #     On CUDA, each rank's memory plan against its GPU's free memory, before anything is allocated: a plan

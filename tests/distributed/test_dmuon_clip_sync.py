@@ -8,8 +8,10 @@ The reference is computed without the function, from the grads as they were befo
 (an owner's reduced grad of a dedicated matrix, TP-local per TP coordinate; the full value of every other grad,
 `full_tensor()` of a DTensor) collected in the test process, one plain L2 norm over them, and each piece scaled
 by min(1, max_norm / (norm + 1e-6)). Layouts, one spawn of 4 ranks: dp x tp (FSDP2 over the attention
-matrices' TP DTensors: _StridedShard / Shard x Shard grads), HSDP (Replicate x Shard grads), DDP + TP
-(dmuon.replicate_tp: TP DTensor grads) and DDP (dmuon.replicate: plain grads).
+matrices' TP DTensors: _StridedShard / Shard x Shard grads), dp x tp with the dedicated matrices left whole by
+the TP plan (as MLA's down projections: each TP slice's owner holds the same whole grad, which the norm counts
+once), HSDP (Replicate x Shard grads), DDP + TP (dmuon.replicate_tp: TP DTensor grads) and DDP (dmuon.replicate:
+plain grads).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tests.tiny_models import TinyLlama, TinyMLP, apply_llama_tp, batch, proj_pr
 
 WORLD = 4
 D, FF, HEADS, LAYERS, B, T = 32, 64, 4, 2, 2, 8
-LAYOUTS = ("dp_tp", "hsdp", "ddp_tp", "ddp")
+LAYOUTS = ("dp_tp", "dp_tp_whole", "hsdp", "ddp_tp", "ddp")
 MAX_HOST_SYNCS = 1  # per call of clip_grad_norm_
 FRACTION = 0.3  # max_norm as a fraction of the global norm: every grad is scaled
 # The Tensor methods that hand a value to Python: on CUDA each one waits for the GPU.
@@ -85,11 +87,14 @@ def _build(layout: str):
 
     torch.manual_seed(0)
     device = rank_device()
-    if layout in ("dp_tp", "ddp_tp"):
+    if layout in ("dp_tp", "dp_tp_whole", "ddp_tp"):
         model = TinyLlama(D, FF, HEADS, LAYERS).to(device)
         mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
-        apply_llama_tp(model, mesh["tp"])
-        if layout == "dp_tp":
+        if layout == "dp_tp_whole":  # TP on the attention only: the MLPs whole on every TP rank, same grads there
+            apply_llama_tp(model, mesh["tp"], mlp=False)
+        else:
+            apply_llama_tp(model, mesh["tp"])
+        if layout in ("dp_tp", "dp_tp_whole"):
             dmuon.dedicate_params(model, mesh["dp"], _mlp_matrices)
             shard_blocks(model, mesh["dp"])
         else:
@@ -115,14 +120,16 @@ def _build(layout: str):
 
 def _pieces(model) -> dict[tuple, torch.Tensor]:
     """The grads this rank holds, as the reference sees them: an owner's reduced grad of each dedicated matrix
-    (keyed by its TP coordinate), the full value of every other grad (collective for a DTensor)."""
+    (a TP DTensor's keyed by its TP coordinate; a plain one, whole in every TP slice, by its name alone), the full
+    value of every other grad (collective for a DTensor)."""
     from torch.distributed.tensor import DTensor
 
     st = model._dmuon_state
     out = {}
     for dp in st.dparams:
         if dp.is_owner and dp._reduced_grad is not None:
-            out[("dedicated", dp.fqn, st.tp_rank)] = dp._reduced_grad.detach().float().cpu().clone()
+            key = ("dedicated", dp.fqn, st.tp_rank) if isinstance(dp.param, DTensor) else ("whole", dp.fqn)
+            out[key] = dp._reduced_grad.detach().float().cpu().clone()
     for name, p in model.named_parameters():
         if p not in st.by_param and p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -167,13 +174,13 @@ def _clip_every_layout(rank: int, world_size: int) -> dict:
 
 
 def _reference(per_rank: list[dict]) -> tuple[dict, float]:
-    """The pieces of all ranks, each once (a dedicated piece on its one owner, the others the same on every
-    rank), and the plain L2 norm over them."""
+    """The pieces of all ranks, each once (a dedicated piece on its one owner, a whole one on one owner per TP
+    slice, the others the same on every rank), and the plain L2 norm over them."""
     pieces: dict[tuple, torch.Tensor] = {}
     for r in per_rank:
         for key, t in r["before"].items():
             if key in pieces:
-                assert key[0] == "other", f"{key} has two owners"
+                assert key[0] in ("other", "whole"), f"{key} has two owners"
                 torch.testing.assert_close(t, pieces[key], rtol=0, atol=0)  # replicated: the same everywhere
             else:
                 pieces[key] = t
@@ -186,7 +193,11 @@ def test_clip_grad_norm_one_host_sync_and_reference():
     for layout in LAYOUTS:
         per_rank = [r[layout] for r in results]
         pieces, ref_norm = _reference(per_rank)
-        assert any(k[0] == "dedicated" for k in pieces) and any(k[0] == "other" for k in pieces), layout
+        owned = "dedicated" if layout in ("dp_tp", "ddp_tp") else "whole"
+        assert any(k[0] == owned for k in pieces) and any(k[0] == "other" for k in pieces), layout
+        if layout == "dp_tp_whole":  # each whole matrix has an owner in each of the 2 TP slices
+            holders = [sum(key in r["before"] for r in per_rank) for key in pieces if key[0] == "whole"]
+            assert holders and set(holders) == {2}, holders
         max_norm = per_rank[0]["max_norm"]
         coef = min(1.0, max_norm / (ref_norm + 1e-6))
         assert coef < 0.5, (layout, coef)

@@ -3,8 +3,9 @@
 Each run is the trainer itself (`Trainer.train_step`, in process on real gloo ranks) with
 `optimizer.muon.qk_clip_tau` low enough that heads are clipped on most steps: llama3 `tinymodel_gqa` (grouped-query
 attention: 4 query heads over 2 kv heads) and qwen3 `tinymodel` (QK-norm, GQA) on 1 process, FSDP 4, HSDP 2 x 2 and
-dp 2 x tp 2 with dmuon; qwen3 `tinymodel_moe` on EP 2 x FSDP 2; muon_naive (the clip on FSDP2/TP shards, a step
-post-hook) on dp 2 x tp 2.
+dp 2 x tp 2 with dmuon; qwen3 `tinymodel_moe` on EP 2 x FSDP 2; deepseek_v3 `tinymodel` (multi-head latent
+attention, an MoE layer) on FSDP 4, EP 2 x FSDP 2 and EP 2 x TP 2 with dmuon and on EP 2 x TP 2 with muon_naive;
+muon_naive (the clip on FSDP2/TP shards, a step post-hook) on dp 2 x tp 2.
 
 The reference is one process, one plain model (the same initial weights, read from rank 0), the DP ranks' batches
 as micro-batches, `torch.optim.Muon` with its Newton-Schulz in fp32 (each expert's matrix a parameter of its own)
@@ -12,12 +13,16 @@ plus `torch.optim.AdamW`, and the clip by the Kimi K2 paper's formula on logits 
 call of scaled_dot_product_attention is intercepted and its q·k^T/sqrt(d) (causal) taken per head, S_h the max over
 the step's micro-batches, gamma_h = min(1, tau / S_h); then, after the optimizer step, each query head's rows of wq
 times gamma_h (GQA: the shared key heads stay), or under a QK-norm the query norm's gain (shared by every head)
-times the layer's smallest gamma. Losses, the logged max logits and clipped-head counts, and every weight after 8
-steps must agree within 5e-5.
+times the layer's smallest gamma, or under MLA (the Kimi K2 paper's MuonClip) a head's non-rotary query rows and its
+key rows of wkv_b times sqrt(gamma_h), its rotary query rows times gamma_h, its value rows of wkv_b and the shared
+rotary key (wkv_a) left alone. Losses, the logged max logits and clipped-head counts, and every weight after 8 steps
+must agree within 5e-5. The MLA model's Muon matrices are its family's (MLA's projections, the dense and shared
+SwiGLUs, each routed expert's matrix), the others' every attention and feed-forward matrix.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from unittest import mock
 
@@ -46,13 +51,17 @@ BETAS = (0.9, 0.95)
 # near 0.1 and Muon grows them: tau under that clips heads on (nearly) every step. With one (qwen3) they start near 3.7
 # and only the norms' gains (AdamW's) scale them; the layer's one gain takes its worst head's factor, so a clip lowers
 # every head and the next steps start under tau: on this data they climb back over it on 3 to 5 of the 8 steps
-# (measured for taus from 0.5 to 3.5 and AdamW lrs from 1e-2 to 0.2), so the bar is 3.
+# (measured for taus from 0.5 to 3.5 and AdamW lrs from 1e-2 to 0.2), so the bar is 3. MLA's (deepseek_v3 tinymodel)
+# start near 0.05 and grow to 0.2 in 8 unclipped steps: tau 0.05 clips 1 to all 8 heads on every step (1 process).
 MODELS = {
     "llama3": ("llama3", "tinymodel_gqa", 0.06, 3e-3, STEPS - 2),
     "llama3_mha": ("llama3", "tinymodel", 0.06, 3e-3, STEPS - 2),
     "qwen3": ("qwen3", "tinymodel", 3.0, 3e-2, 3),
     "moe": ("qwen3", "tinymodel_moe", 3.0, 1e-1, 3),
+    "mla": ("deepseek_v3", "tinymodel", 0.05, 3e-3, STEPS - 2),
 }
+# the Muon matrices: the family's own (the trainer's default) for MLA, every attention / feed-forward matrix otherwise
+BLOCK_MATRICES = r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"
 LAYOUTS = {
     "1proc": (1, []),
     "fsdp4": (4, []),
@@ -67,7 +76,8 @@ def _argv(dump, model: str, *extra: str) -> list[str]:
     argv += ["--training.seq_len", str(T), "--training.local_batch_size", str(B), "--training.steps", str(STEPS)]
     argv += ["--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
     argv += ["--optimizer.muon.ns_coefficients", "muon", "--optimizer.muon.ns_dtype", "float32"]
-    argv += ["--optimizer.muon_params", r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$"]
+    if family != "deepseek_v3":
+        argv += ["--optimizer.muon_params", BLOCK_MATRICES]
     argv += ["--optimizer.adamw.betas", str(BETAS[0]), str(BETAS[1])]
     argv += ["--metrics.enable_tensorboard", "false", "--comm.heartbeat_seconds", "0", "--job.dump_folder", str(dump)]
     for key, value in HP.items():
@@ -133,7 +143,8 @@ class _Logits:
         self._sdpa = F.scaled_dot_product_attention
 
     def __call__(self, q, k, v, *args, **kwargs):
-        logits = (q.detach().float() @ k.detach().float().transpose(-1, -2)) / q.shape[-1] ** 0.5  # [B, H, L, L]
+        scale = kwargs.get("scale") or q.shape[-1] ** -0.5  # MLA passes its softmax scale
+        logits = (q.detach().float() @ k.detach().float().transpose(-1, -2)) * scale  # [B, H, L, L]
         causal = torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
         self.calls.append(logits.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3)))
         return self._sdpa(q, k, v, *args, **kwargs)
@@ -146,7 +157,14 @@ def _clip(model: nn.Module, s: torch.Tensor, tau: float) -> None:
         for layer, block in enumerate(model.layers.values()):
             att = block.attention
             g = gamma[layer]
-            if att.n_kv_heads < att.n_heads:  # GQA: the query side takes all of it, the shared keys stay
+            if hasattr(att, "wkv_b"):  # MLA: each head's rows, [non-rotary | rotary] queries, [non-rotary | value] keys
+                a = model.args
+                nope, rope, heads = a.qk_nope_head_dim, a.qk_rope_head_dim, a.n_heads
+                q = (att.wq if a.q_lora_rank == 0 else att.wq_b).weight.view(heads, nope + rope, -1)
+                q[:, :nope].mul_(g.sqrt().view(-1, 1, 1))
+                q[:, nope:].mul_(g.view(-1, 1, 1))
+                att.wkv_b.weight.view(heads, nope + a.v_head_dim, -1)[:, :nope].mul_(g.sqrt().view(-1, 1, 1))
+            elif att.n_kv_heads < att.n_heads:  # GQA: the query side takes all of it, the shared keys stay
                 if att.q_norm is not None:
                     att.q_norm.weight.mul_(g.min())
                 else:
@@ -158,18 +176,15 @@ def _clip(model: nn.Module, s: torch.Tensor, tau: float) -> None:
 
 
 def reference(model_name: str, sd0: dict[str, torch.Tensor], n_dp: int, clip: bool = True) -> dict:
-    from titan_dmuon.models import qwen3
-    from titan_dmuon.models.llama3 import build_model as llama3_model
-
     family, flavor, tau, adamw_lr, _ = MODELS[model_name]
+    module = importlib.import_module(f"titan_dmuon.models.{family}")
     tau = tau if clip else float("inf")
-    build = llama3_model if family == "llama3" else qwen3.build_model
-    model = build(flavor, vocab_size=VOCAB, max_seq_len=T, device="cpu")
+    model = module.build_model(flavor, vocab_size=VOCAB, max_seq_len=T, device="cpu")
     model.init_buffers("cpu")
     model.load_state_dict(sd0)
     for m in moe_layers(model):
         m.aux_loss_scale = 1.0 / n_dp
-    regex = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.\w+\.weight$")
+    regex = re.compile(module.MUON_PARAMS if family == "deepseek_v3" else BLOCK_MATRICES)
     named = dict(model.named_parameters())
     matrices = [p for n, p in named.items() if regex.search(n) and p.ndim == 2]
     experts = ExpertSlices(named, regex.search)
@@ -210,7 +225,7 @@ def reference(model_name: str, sd0: dict[str, torch.Tensor], n_dp: int, clip: bo
             adamw.zero_grad()
             experts.write_back()
             _clip(model, s, tau)
-            if experts.stacks:
+            if moe_layers(model):
                 update_moe_bias(model, moe_stats(model)["tokens_per_expert"].to(torch.float64))
             losses.append(total)
             max_logits.append(s.amax(dim=1).tolist())
@@ -235,7 +250,7 @@ def _check(results: list[dict], model: str) -> None:
         assert err < RTOL, (k, err)
     # the clip matters at this tolerance: the reference without it ends far from the run
     unclipped = reference(model, results[0]["sd0"], results[0]["n_dp"], clip=False)["sd"]
-    q = "q_norm" if "q_norm" in " ".join(sd) else "wq"
+    q = "q_norm" if MODELS[model][0] == "qwen3" else "wq"  # the query weights the clip scales (MLA: wq_b)
     scale = {k: float(sd[k].abs().max()) for k in sd}
     far = [k for k in sd if q in k and float((sd[k] - unclipped[k]).abs().max()) > 100 * RTOL * scale[k]]
     assert far, f"no {q} weight tells the clipped run from the unclipped one"
@@ -272,3 +287,28 @@ def test_dmuon_clip_multi_head_dp2_tp2_matches_reference(tmp_path) -> None:
     extra = ["--parallelism.tensor_parallel_degree", "2"]
     results = run_distributed(_rank, 4, str(tmp_path), "llama3_mha", extra, timeout=DEADLINE)
     _check(results, "llama3_mha")
+
+
+MLA_LAYOUTS = {
+    "fsdp4": ["--parallelism.expert_parallel_degree", "1"],
+    "ep2_fsdp2": ["--parallelism.expert_parallel_degree", "2"],
+    "ep2_tp2": ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(MLA_LAYOUTS))
+def test_dmuon_clip_mla_matches_reference(layout, tmp_path) -> None:
+    """MLA: the owner of a query projection (wq_b) scales each head's non-rotary rows by sqrt(gamma) and its rotary
+    rows by gamma, the owner of wkv_b the non-rotary key rows; under TP each TP rank of the owner column its own heads'
+    rows. The down projections (wq_a, wkv_a), whole on every TP rank, stay."""
+    results = run_distributed(_rank, 4, str(tmp_path), "mla", MLA_LAYOUTS[layout], timeout=DEADLINE)
+    _check(results, "mla")
+
+
+@pytest.mark.slow
+def test_muon_naive_clip_mla_on_ep2_tp2_matches_reference(tmp_path) -> None:
+    """muon_naive keeps wq_b and wkv_b FSDP2 x TP DTensors: the post-step clip scales each rank's rows of them."""
+    extra = [*MLA_LAYOUTS["ep2_tp2"], "--optimizer.name", "muon_naive"]
+    results = run_distributed(_rank, 4, str(tmp_path), "mla", extra, timeout=DEADLINE)
+    _check(results, "mla")

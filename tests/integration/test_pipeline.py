@@ -11,9 +11,10 @@ runs there.
   multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); Z2's
   broadcast bytes independent of the microbatch count; dmuon == muon_naive under pp2; an explicit split whose
   first stage has no Muon matrix; the Qwen3 MoE model under pp2 x ep2 against its single process (losses, aux loss,
-  every layer's load); DeepSeek-V3 on pp2 with a stage that has no MoE layer; checkpoints across pipeline degrees
-  (bitwise on pp2); validation, AC, accumulation, the Hugging Face export and generate.py under pp2; a stop signal
-  on one stage; the configuration errors.
+  every layer's load); DeepSeek-V3 on pp2 with a stage that has no MoE layer, also under pp2 x ep2 x tp2 (8
+  ranks) and in the dry-run planner under pp2 x ep2; checkpoints across pipeline degrees (bitwise on pp2);
+  validation, AC, accumulation, the Hugging Face export and generate.py under pp2; a stop signal on one stage; the
+  configuration errors.
 """
 
 from __future__ import annotations
@@ -158,13 +159,22 @@ def moe_reference(tmp_path_factory):
     )
 
 
-def test_deepseek_v3_pp2_with_a_stage_without_moe_matches_single_process(tmp_path) -> None:
+DEEPSEEK_V3 = ("--model.name", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_reference(tmp_path_factory):
+    """The DeepSeek-V3 tinymodel on 1 process, one-row micro-batches (see `moe_reference`)."""
+    return _train(1, tmp_path_factory.mktemp("deepseek_v3_ref"), *DEEPSEEK_V3, *ONE_ROW_MICROBATCHES)
+
+
+def test_deepseek_v3_pp2_with_a_stage_without_moe_matches_single_process(tmp_path, deepseek_v3_reference) -> None:
     """DeepSeek-V3's dense first layer: on pp2 (1F1B) stage 0 holds the embedding and the dense layer 0, stage 1
     the MoE layer 1. The MoE step's all-reduce of the expert counts must still run on the stage without an MoE
     layer (it hung there once), and the losses, the aux loss and the layer count are the single process's with the
     same one-row microbatches."""
-    model = ("--model.name", "deepseek_v3")
-    ref = _train(1, tmp_path / "ref", *model, *ONE_ROW_MICROBATCHES)
+    model = DEEPSEEK_V3
+    ref = deepseek_v3_reference
     scalars = _train(
         2, tmp_path / "pp", *model, *_pp(2, "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1")
     )
@@ -172,6 +182,49 @@ def test_deepseek_v3_pp2_with_a_stage_without_moe_matches_single_process(tmp_pat
     assert set(scalars["moe/layers"].values()) == {1.0}
     for step in range(1, STEPS + 1):
         assert abs(scalars["moe/aux_loss"][step] - ref["moe/aux_loss"][step]) <= 1e-5 * ref["moe/aux_loss"][step]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_pp2_ep2_tp2_with_a_stage_without_experts_matches_single_process(
+    tmp_path, deepseek_v3_reference
+) -> None:
+    """8 ranks, pp2 x (shard 2 = ep 2) x tp2: stage 0 (the dense layer 0) holds no expert while expert parallelism
+    is on. That stage is no config error, and it builds DMuon's expert axes as the MoE stage does (a collective: it
+    hung when only the MoE stage built them). Under TP the MLA down projections are DMuon matrices the plan leaves
+    whole, an owner in each TP slice of a stage: the grad norm counts them once. Losses and grad norms of the
+    single process."""
+    extra = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2")
+    extra += ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4")
+    microbatches = ("--parallelism.pipeline_parallel_microbatch_size", "1")
+    scalars = _train(8, tmp_path, *DEEPSEEK_V3, *_pp(2, "1F1B", *microbatches, *extra))
+    assert_same_run(scalars, deepseek_v3_reference, rtol=1e-5)
+
+
+def test_deepseek_v3_pp2_ep2_dry_run_plans_the_stage_without_experts(tmp_path) -> None:
+    """The dry-run planner parallelizes each pp rank's part on its own (titan_dmuon/planner/plan.py): the part
+    without an MoE layer under expert parallelism is planned, not a config error."""
+    proc = run_train(
+        1,
+        _argv(
+            tmp_path,
+            *DEEPSEEK_V3,
+            *_pp(
+                2,
+                "1F1B",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+                "--job.dry_run",
+                "--job.dry_run_world_size",
+                "4",
+            ),
+        ),
+    )
+    assert proc.returncode == 0, tail(proc)
+    assert "Fits:" in proc.stdout + proc.stderr, tail(proc)
 
 
 @pytest.mark.slow

@@ -199,7 +199,9 @@ def _dedicate(
     state.head_blocks = blocks
     hook_of = resolve_hook_modules(model, [n for n, _ in dense], hook_boundary_predicate)
     owned = _place(dense, state.axes, layouts, hook_of, blocks)
-    if experts:  # expert stacks: their own axes, each behind its own module (a group has one set of axes)
+    if own_axes:  # expert stacks: their own axes, each behind its own module (a group has one set of axes)
+        # built on every rank, stacks or not: it is collective (DPAxes gathers every rank's coordinates), and a
+        # pipeline stage may hold no MoE layer (DeepSeek-V3's dense first layers) while the others do
         e_layouts, e_tp_rank = _layouts(experts, expert_mesh, replicate_mesh)
         state.expert_axes = DPAxes(
             expert_mesh,

@@ -45,19 +45,27 @@ def clip_grad_norm_(
     """Clip every grad of `model` by one global L2 norm; returns that norm (same value on every rank).
 
     Dedicated matrices count once, on their global owner (`_reduced_grad`); FSDP2/TP grads count through
-    their DTensor shards; plain replicated grads count once. Under a pipeline, `model` is this rank's stages and
-    `pp_mesh` the mesh of the ranks holding the other stages: their squared norms are summed over it, so every
+    their DTensor shards; plain replicated grads count once. Under tensor parallelism each TP slice is its own copy
+    of the DP layout (docs/dmuon.md, "Tensor parallelism"): a TP-sharded matrix's owners hold its shards, but a
+    dedicated matrix the TP plan leaves whole (MLA's down projections) has an owner with the whole grad in every
+    slice, so each counts 1/T of it (T the slices of one stage). Under a pipeline, `model` is this rank's stages
+    and `pp_mesh` the mesh of the ranks holding the other stages: their squared norms are summed over it, so every
     stage clips by the norm of the whole model (the owners' sum is over every rank already).
     """
     if norm_type != 2.0:
         raise ValueError("dmuon.clip_grad_norm_ supports the L2 norm only")
     state = state_of(model, "clip_grad_norm_")
     model = unwrap(model)
-    owned = [g for dp in state.dparams if dp.is_owner and (g := dp.reduced_grad()) is not None]
+    owners = [(dp, g) for dp in state.dparams if dp.is_owner and (g := dp.reduced_grad()) is not None]
+    owned = [g for _, g in owners]
     device = next(model.parameters()).device
+    stages = pp_mesh.size() if pp_mesh is not None else 1
     ded_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in owned:
-        ded_sq += g.float().pow(2).sum()
+    for dp, g in owners:
+        sq = g.float().pow(2).sum()
+        if dp.shard_dim is None:  # whole in every slice of its stage: the copies of the world's slices
+            sq = sq / max(1, dist.get_world_size() // (dp.axes.shard_size * dp.axes.replicate_size * stages))
+        ded_sq += sq
     dist.all_reduce(ded_sq)
     others = [p.grad for p in model.parameters() if p not in state.by_param and p.grad is not None]
     others_sq = grads_sq_norm(others, device)

@@ -229,25 +229,35 @@ def parallelize(
     cfg: JobConfig,
     spec: ModelSpec,
     optimizer: OptimizerComponent,
+    *,
+    whole_model_has_moe: bool | None = None,
 ) -> nn.Module:
     """TP (tp > 1) -> EP (ep > 1) -> AC -> compile -> optimizer.prepare -> FSDP2, in place; returns the model.
 
     Runs on the meta model (the trainer then calls `materialize`, which allocates and initializes each rank's
     share; the dry-run planner stops here). It also works on a materialized model: DMuon then copies each
     owner's fp32 master out of the live values.
+
+    `whole_model_has_moe`: whether the whole model has MoE layers, when `model` is a pipeline stage's part (the
+    trainer passes it). A stage may hold none (DeepSeek-V3's dense first layers): it then has nothing to shard over
+    EP, which is no error, and every stage raises the same config errors. Without it `model` is taken for the whole
+    model, unless a pipeline is on: then a part without MoE layers under EP is accepted (the dry-run planner's
+    parts; the trainer checks the whole model).
     """
     param_dtype = to_dtype(cfg.training.mixed_precision_param)
     reduce_dtype = to_dtype(cfg.training.mixed_precision_reduce)
+    has_moe = bool(expert_modules(model)) if whole_model_has_moe is None else whole_model_has_moe
+    part_of_pipeline = whole_model_has_moe is None and dims.pp_enabled
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.meshes.tp, cfg, spec)
-    if dims.tp_enabled and not dims.ep_enabled and expert_modules(model):
+    if dims.tp_enabled and not dims.ep_enabled and has_moe:
         # under sequence parallelism each TP rank routes its own tokens through whole experts: their grads must be
         # summed over TP, which the expert-data-parallel mesh (efsdp x tp) does and only EP builds
         raise ConfigError(
             f"{cfg.model.name}/{cfg.model.flavor} has Mixture-of-Experts layers: under tensor parallelism they need "
             "expert parallelism too: set parallelism.expert_parallel_degree >= 2 (it divides the shard degree)"
         )
-    if dims.ep_enabled and apply_ep(model, dims.meshes.ep) == 0:
+    if dims.ep_enabled and apply_ep(model, dims.meshes.ep) == 0 and not (has_moe or part_of_pipeline):
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {dims.ep}, but {cfg.model.name}/{cfg.model.flavor} has no "
             "Mixture-of-Experts layer: use an MoE flavor (e.g. qwen3 debugmodel_moe) or expert_parallel_degree = 1"

@@ -1,5 +1,6 @@
 """QK-clip (titan_dmuon/dmuon/qk_clip.py, its module docstring is the spec) and how the attention layers report to
-it (titan_dmuon/models/common/attention.py), single process, no process group.
+it (titan_dmuon/models/common/attention.py, and MLA's titan_dmuon/models/common/mla.py), single process, no process
+group.
 
 Every expected value is computed here, independently of qk_clip.py: the q and k that attention really uses are
 intercepted at `F.scaled_dot_product_attention` ([B, H, L, D], k already repeated for GQA) and their causal
@@ -19,17 +20,18 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from titan_dmuon import dmuon
 from titan_dmuon.dmuon.qk_clip import QKClip, max_logit_per_head
-from titan_dmuon.models import llama3, qwen3
+from titan_dmuon.models import deepseek_v3, llama3, qwen3
 from titan_dmuon.models.common.attention import Attention
 
 VOCAB, SEQ, B, L = 128, 32, 4, 24
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
-def causal_max(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """[H] fp64: the largest causal logit q·k/sqrt(D) of each head; q, k [B, H, L, D] (k one per query head)."""
+def causal_max(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """[H] fp64: the largest causal logit q·k·scale (default 1/sqrt(D)) of each head; q, k [B, H, L, D] (k one per
+    query head)."""
     q64, k64 = q.detach().double(), k.detach().double()
-    logits = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    logits = q64 @ k64.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     n = q.shape[2]
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
     return logits.masked_fill(future, -math.inf).amax(dim=(0, 2, 3))
@@ -43,7 +45,7 @@ def sdpa_max_logits():
 
     def wrapper(q, k, v, *args, **kwargs):
         assert kwargs.get("is_causal") and kwargs.get("attn_mask") is None  # training: the plain causal path
-        seen.append(causal_max(q, k))
+        seen.append(causal_max(q, k, kwargs.get("scale")))  # MLA passes its softmax scale
         return real(q, k, v, *args, **kwargs)
 
     with mock.patch.object(F, "scaled_dot_product_attention", wrapper):
@@ -281,6 +283,75 @@ def test_clip_qk_norm_scales_the_query_gain_by_the_layers_smallest_gamma():
         else:
             assert torch.equal(attn.q_norm.weight, before[layer]["q_norm.weight"])
             torch.testing.assert_close(after[layer], s[layer], rtol=1e-6, atol=0)
+
+
+def build_mla(q_lora_rank: int, seed: int = 0):
+    """deepseek_v3 tinymodel (MLA; `q_lora_rank` 0: a full-rank wq), its query and key/value projections scaled up so
+    that both parts of a logit, the non-rotary (q_nope·k_nope) and the rotary (q_rope against the shared key from
+    wkv_a's last rows), are O(1) at init."""
+    torch.manual_seed(seed)
+    model = deepseek_v3.build_model(
+        "tinymodel", vocab_size=VOCAB, max_seq_len=SEQ, device="cpu", q_lora_rank=q_lora_rank
+    )
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for attn in attentions(model):
+            for name, scale in (("wq", 10.0), ("wq_b", 10.0), ("wkv_a", 4.0), ("wkv_b", 10.0)):
+                if getattr(attn, name) is not None:
+                    getattr(attn, name).weight.mul_(scale)
+    return model
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, 0], ids=["q_lora", "no_q_lora"])
+def test_clip_mla_rotary_query_rows_by_gamma_the_rest_by_sqrt_gamma_shared_key_and_values_untouched(q_lora_rank):
+    # catches sqrt(gamma) on the rotary query rows (the head would land above tau: its rotary part keeps sqrt(gamma)
+    # of itself), the shared rotary key (wkv_a) or the value rows of wkv_b scaled, runs laid out off by a head's
+    # offset, or scaled heads that were within tau
+    model = build_mla(q_lora_rank)
+    a = model.args
+    nope, rope, vdim, heads = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.n_heads
+    toks = tokens(0)
+    inputs = attention_inputs(model, toks)
+    s = rerun(model, inputs)
+    # both parts of the logit count: the rotary part alone (queries' non-rotary rows at 0) is far from 0 and from S
+    zeroed = []
+    for attn in attentions(model):
+        q = attn.get_parameter(f"{attn.q_proj}.weight")
+        zeroed.append(q.detach().clone())
+        with torch.no_grad():
+            q.view(heads, nope + rope, -1)[:, :nope] = 0
+    rotary = rerun(model, inputs)
+    with torch.no_grad():
+        for attn, q in zip(attentions(model), zeroed, strict=True):
+            attn.get_parameter(f"{attn.q_proj}.weight").copy_(q)
+    assert (rotary.abs() > 0.1 * s.abs()).all() and (rotary < 0.9 * s).all(), (rotary, s)
+    tau = tau_between(s)
+    before = qk_weights(model)
+    clip_step(model, tau, toks)
+    after = rerun(model, inputs)
+    clipped = s > tau
+    assert clipped.any() and (~clipped).any()
+    q_name = "wq_b.weight" if q_lora_rank else "wq.weight"
+    for layer, attn in enumerate(attentions(model)):
+        w = {n: p.detach() for n, p in attn.named_parameters()}
+        # the shared rotary key (wkv_a's last `rope` rows), the latent and the other down projections, the norms and
+        # wo: the clip leaves them bitwise
+        for name in w:
+            if name not in (q_name, "wkv_b.weight"):
+                assert torch.equal(w[name], before[layer][name]), name
+        q_new, q_old = (t.view(heads, nope + rope, -1) for t in (w[q_name], before[layer][q_name]))
+        k_new, k_old = (t.view(heads, nope + vdim, -1) for t in (w["wkv_b.weight"], before[layer]["wkv_b.weight"]))
+        for h in range(heads):
+            assert torch.equal(k_new[h, nope:], k_old[h, nope:])  # this head's value rows
+            if not clipped[layer, h]:
+                assert torch.equal(q_new[h], q_old[h]) and torch.equal(k_new[h], k_old[h])
+                assert after[layer, h].item() == pytest.approx(s[layer, h].item(), rel=1e-6)
+                continue
+            gamma = tau / float(s[layer, h])
+            torch.testing.assert_close(q_new[h, :nope], q_old[h, :nope] * math.sqrt(gamma), rtol=1e-5, atol=0)
+            torch.testing.assert_close(q_new[h, nope:], q_old[h, nope:] * gamma, rtol=1e-5, atol=0)
+            torch.testing.assert_close(k_new[h, :nope], k_old[h, :nope] * math.sqrt(gamma), rtol=1e-5, atol=0)
+            assert after[layer, h].item() == pytest.approx(tau, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ 4. gradient accumulation
