@@ -239,15 +239,13 @@ def parallelize(
     owner's fp32 master out of the live values.
 
     `whole_model_has_moe`: whether the whole model has MoE layers, when `model` is a pipeline stage's part (the
-    trainer passes it). A stage may hold none (DeepSeek-V3's dense first layers): it then has nothing to shard over
-    EP, which is no error, and every stage raises the same config errors. Without it `model` is taken for the whole
-    model, unless a pipeline is on: then a part without MoE layers under EP is accepted (the dry-run planner's
-    parts; the trainer checks the whole model).
+    trainer and the dry-run planner pass it). A stage may hold none (DeepSeek-V3's dense first layers): it then has
+    nothing to shard over EP, which is no error, and every stage raises the same config errors. Without it `model`
+    is taken for the whole model.
     """
     param_dtype = to_dtype(cfg.training.mixed_precision_param)
     reduce_dtype = to_dtype(cfg.training.mixed_precision_reduce)
     has_moe = bool(expert_modules(model)) if whole_model_has_moe is None else whole_model_has_moe
-    part_of_pipeline = whole_model_has_moe is None and dims.pp_enabled
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.meshes.tp, cfg, spec)
     if dims.tp_enabled and not dims.ep_enabled and has_moe:
@@ -257,7 +255,7 @@ def parallelize(
             f"{cfg.model.name}/{cfg.model.flavor} has Mixture-of-Experts layers: under tensor parallelism they need "
             "expert parallelism too: set parallelism.expert_parallel_degree >= 2 (it divides the shard degree)"
         )
-    if dims.ep_enabled and apply_ep(model, dims.meshes.ep) == 0 and not (has_moe or part_of_pipeline):
+    if dims.ep_enabled and apply_ep(model, dims.meshes.ep) == 0 and not has_moe:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {dims.ep}, but {cfg.model.name}/{cfg.model.flavor} has no "
             "Mixture-of-Experts layer: use an MoE flavor (e.g. qwen3 debugmodel_moe) or expert_parallel_degree = 1"

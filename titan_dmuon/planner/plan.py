@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titan_dmuon.components.model import ModelSpec, build_meta_model, check_flavor, get_model_spec, model_vocab_size
+from titan_dmuon.components.moe import moe_layers
 from titan_dmuon.components.optimizer import build_optimizer_component
 from titan_dmuon.config import ConfigError, JobConfig
 from titan_dmuon.dtypes import to_dtype
@@ -88,12 +89,13 @@ def build_part(
     """The parallelized meta model of pp rank `pp_rank`'s stages (the whole model without a pipeline), on the fake
     world `build_on_fake_world` made: every stage's ranks are laid out alike, so rank 0's meshes place any stage."""
     model = build_meta_model(spec, cfg, vocab)
+    has_moe = bool(moe_layers(model))  # the whole model's: a stage may hold no MoE layer
     if dims.pp_enabled:
         stages = plan_stages(cfg, len(spec.blocks(model)))
         ids = stage_ids(pp_rank, dims.pp, len(stages), cfg.parallelism.pipeline_parallel_schedule)
         keep_stages(model, stage_slices(stages, ids))
     component = component or build_optimizer_component(cfg, spec)
-    return parallelize(model, dims, dims.meshes.world, cfg, spec, component)
+    return parallelize(model, dims, dims.meshes.world, cfg, spec, component, whole_model_has_moe=has_moe)
 
 
 def plan(cfg: JobConfig, world_size: int | None = None) -> dict[str, Any]:
