@@ -74,10 +74,13 @@ def load_tokenizer(kind: str, src: Path, cfg, override: str | None):
 
 def match_hf_config(cfg, hf_config: dict, vocab_size: int, name_given: bool) -> None:
     """Set `cfg.model.name` and `cfg.model.flavor` to the family (unless `name_given`) and flavor whose Hugging Face
-    config has the folder's `model_type` and shapes."""
+    config has the folder's `model_type` and shapes, the first whose adapter accepts the folder's config.json among
+    them (flavors of one shape that differ otherwise, e.g. DeepSeek-V3's with and without YaRN), else the first (its
+    adapter's error then says what differs)."""
     from titan_dmuon.components.model import available_models, build_meta_model, get_model_spec
     from titan_dmuon.config import ConfigError
 
+    first = None
     for name in [cfg.model.name] if name_given else available_models():
         spec = get_model_spec(name)
         if spec.state_dict_adapter is None:
@@ -85,12 +88,21 @@ def match_hf_config(cfg, hf_config: dict, vocab_size: int, name_given: bool) -> 
         for flavor in spec.flavors:
             cfg.model.name, cfg.model.flavor = name, flavor
             try:
-                ours = spec.state_dict_adapter(build_meta_model(spec, cfg, vocab_size)).hf_config()
+                adapter = spec.state_dict_adapter(build_meta_model(spec, cfg, vocab_size))
             except ConfigError:
                 continue
-            keys = ("model_type", *_SHAPE_KEYS)
-            if all(hf_config.get(k, ours.get(k)) == ours.get(k) for k in keys):
-                return
+            ours = adapter.hf_config()
+            if not all(hf_config.get(k, ours.get(k)) == ours.get(k) for k in ("model_type", *_SHAPE_KEYS)):
+                continue
+            first = first or (name, flavor)
+            try:
+                adapter.check_hf_config(hf_config)
+            except ValueError:
+                continue
+            return
+    if first is not None:
+        cfg.model.name, cfg.model.flavor = first
+        return
     shapes = {k: hf_config.get(k) for k in ("model_type", *_SHAPE_KEYS)}
     families = cfg.model.name if name_given else ", ".join(available_models())
     raise GenerateError(

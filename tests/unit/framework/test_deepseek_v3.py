@@ -15,6 +15,7 @@ for some tokens (each asserted where it is used)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -290,12 +291,24 @@ def test_published_configs() -> None:
 
 
 # --------------------------------------------------------------------------------------- transformers parity
-PARITY = {"q_lora": {}, "no_q_lora": {"q_lora_rank": 0}, "yarn": {"rope_scaling": YARN}}
+# "moonlight_eps": Moonlight's rms_norm_eps 1e-5 is the blocks' norms' only (HF builds the latent norms with 1e-6),
+# with latents narrow and small enough that the eps shows
+PARITY = {
+    "q_lora": {},
+    "no_q_lora": {"q_lora_rank": 0},
+    "yarn": {"rope_scaling": YARN},
+    "moonlight_eps": {"norm_eps": 1e-5, "q_lora_rank": 8, "kv_lora_rank": 8},
+}
 
 
 @pytest.mark.parametrize("case", list(PARITY))
 def test_transformers_logits(tmp_path, case) -> None:
     model = _tiny(**PARITY[case])
+    if case == "moonlight_eps":  # latents whose mean square is near the eps
+        with torch.no_grad():
+            for block in model.layers.values():
+                block.attention.wq_a.weight.mul_(0.01)
+                block.attention.wkv_a.weight[: block.attention.kv_lora_rank].mul_(0.01)
     tokens = _tokens()
     router = model.layers["1"].feed_forward.router
     x = _router_inputs(model, tokens)
@@ -308,7 +321,7 @@ def test_transformers_logits(tmp_path, case) -> None:
     assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert config["q_lora_rank"] == (PARITY[case].get("q_lora_rank", 32) or None)
     keys = ("n_routed_experts", "n_group", "topk_group", "first_k_dense_replace", "n_shared_experts", "kv_lora_rank")
-    assert [config[k] for k in keys] == [8, 4, 2, 1, 1, 32]
+    assert [config[k] for k in keys] == [8, 4, 2, 1, 1, PARITY[case].get("kv_lora_rank", 32)]
     assert config["rope_interleave"] is True and config["routed_scaling_factor"] == 2.5
     hf = _hf(tmp_path)
     assert type(hf.model.layers[0].mlp) is hf_ds.DeepseekV3MLP and type(hf.model.layers[1].mlp) is hf_ds.DeepseekV3MoE
@@ -322,6 +335,11 @@ def test_transformers_logits(tmp_path, case) -> None:
         ours, theirs = model(tokens), hf(tokens).logits
     assert ours.abs().max() > 1.0
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    if case == "moonlight_eps":  # the latent norms with the blocks' eps would be visibly off
+        for block in model.layers.values():
+            block.attention.q_norm.eps = block.attention.kv_norm.eps = 1e-5
+        with torch.no_grad():
+            assert (model(tokens) - theirs).abs().max() > 1e-3
     if case == "yarn":  # the same weights without the scaling: other logits (YaRN is visible at this length)
         plain = build_model("tinymodel", vocab_size=VOCAB, device="cpu", max_seq_len=SEQ)
         plain.load_state_dict(model.state_dict())
@@ -449,6 +467,14 @@ def test_check_hf_config_refuses_other_rope_scaling_and_kv_lora_rank(tmp_path) -
         load("plain", kv_lora_rank=16)
     with pytest.raises(ValueError, match="n_group is 4 in config.json but 2 in the model"):
         load("plain", n_group=2)
+    with pytest.raises(ValueError, match="routed_scaling_factor is 2.5 in config.json but 1.0 in the model"):
+        load("plain", routed_scaling_factor=1.0)
+    # the published DeepSeek-V3 / Kimi K2 folders: FP8 blocks whose scales an import would drop
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization_config \(fp8\).*dequantize the folder to bf16 first"):
+        load("plain")
 
 
 def _fields(yarn: Yarn) -> dict:
@@ -456,6 +482,35 @@ def _fields(yarn: Yarn) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ router
+def test_sigmoid_router_scores_in_fp32_from_bf16_weights() -> None:
+    """Under bf16 mixed precision the gate's weight and input are bf16; its logits are still computed in fp32 (as
+    transformers computes DeepSeek-V3's, whose gate it keeps in fp32): a bf16 matmul's rounding moves scores by
+    about the selection bias's step and changes some tokens' experts. Qwen3's softmax router keeps HF's dtype."""
+    torch.manual_seed(0)
+    router = Router(256, 64, 6, True, score_func="sigmoid", route_scale=2.5).to(torch.bfloat16)
+    x = torch.randn(512, 256, dtype=torch.bfloat16)
+    logits = router.gate(x)
+    assert logits.dtype == torch.float32
+    want = x.float() @ router.gate.weight.float().T
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(logits, (x @ router.gate.weight.T).float())  # a bf16 matmul would differ
+    _, weights, ids = router(x)
+    assert weights.dtype == torch.bfloat16
+    assert torch.equal(ids, torch.topk(torch.sigmoid(want), 6, dim=-1).indices)
+    softmax = Router(256, 64, 6, True).to(torch.bfloat16)
+    assert softmax.gate(x).dtype == torch.bfloat16
+
+
+def test_pretrain_flavors_are_the_published_shapes_without_rope_scaling() -> None:
+    """DeepSeek-V3 and Kimi K2 pretrained on 4K sequences with plain RoPE (YaRN came with the long-context stage):
+    the `_pretrain` flavors have the published shapes, no scaling, and head_dim^-0.5 as their softmax scale."""
+    for flavor in ("671B", "kimi_k2"):
+        full, pre = build_model(flavor), build_model(f"{flavor}_pretrain")
+        assert dataclasses.replace(pre.args, rope_scaling=full.args.rope_scaling) == full.args
+        assert pre.args.rope_scaling is None and pre.layers["0"].attention.softmax_scale == 192**-0.5
+        assert {n: p.shape for n, p in pre.named_parameters()} == {n: p.shape for n, p in full.named_parameters()}
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["norm_topk", "raw_topk"])
 @pytest.mark.parametrize("groups", [(4, 2), (1, 1)], ids=["grouped", "ungrouped"])
 def test_router_equals_hf_router(norm, groups) -> None:
@@ -559,11 +614,20 @@ def test_generate_py_on_a_deepseek_v3_export_equals_transformers(tmp_path) -> No
     assert ids == want, text.getvalue()
     assert want[0] != want[1] and len(set(want[0])) > 1
 
-    # the mapping picks each flavor from its own config.json (the published ones' included)
+    # the mapping picks each flavor from its own config.json (the published ones' included, and the pretraining
+    # flavors, of the same shapes but without YaRN)
     from titan_dmuon.components.checkpoint.convert import job_config
 
     generate_py = load_script("generate")
-    for flavor in ("tinymodel", "debugmodel", "moonlight_16b_a3b", "671B", "kimi_k2"):
+    for flavor in (
+        "tinymodel",
+        "debugmodel",
+        "moonlight_16b_a3b",
+        "671B",
+        "kimi_k2",
+        "671B_pretrain",
+        "kimi_k2_pretrain",
+    ):
         big = build_model(flavor, vocab_size=VOCAB if "model" in flavor else None)
         cfg = job_config(None, None, [])
         generate_py.match_hf_config(cfg, SPEC.state_dict_adapter(big).hf_config(), big.args.vocab_size, False)

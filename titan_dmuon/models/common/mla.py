@@ -36,7 +36,11 @@ from .rope import apply_rope
 
 class MLAttention(nn.Module):
     """Multi-head latent attention (see the module docstring). FQNs: `wq` (or `wq_a`, `q_norm`, `wq_b`), `wkv_a`,
-    `kv_norm`, `wkv_b`, `wo`. Reports its max logits to QK-clip as `Attention` does (`qk_heads`, `max_logit`)."""
+    `kv_norm`, `wkv_b`, `wo`. Reports its max logits to QK-clip as `Attention` does (`qk_heads`, `max_logit`).
+
+    The latents' norms take ``latent_norm_eps``, 1e-6 by default whatever the blocks' norms use: HF's (and
+    DeepSeek's reference code's) q_a_layernorm and kv_a_layernorm are built with their default eps, and Moonlight's
+    rms_norm_eps is 1e-5."""
 
     def __init__(
         self,
@@ -49,7 +53,7 @@ class MLAttention(nn.Module):
         qk_rope_head_dim: int,
         v_head_dim: int,
         softmax_scale: float,
-        norm_eps: float = 1e-6,
+        latent_norm_eps: float = 1e-6,
     ):
         super().__init__()
         self.n_heads = self.n_kv_heads = n_heads  # every head has its own key (the rotary part is shared)
@@ -62,13 +66,13 @@ class MLAttention(nn.Module):
         if q_lora_rank > 0:
             self.wq = None
             self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_norm = RMSNorm(q_lora_rank, eps=latent_norm_eps)
             self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
         else:
             self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
             self.wq_a = self.q_norm = self.wq_b = None
         self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps=latent_norm_eps)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         self.rope_key = nn.Identity()  # where the TP plan sums the shared rotary key's grad over the TP group

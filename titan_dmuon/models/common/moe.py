@@ -63,6 +63,15 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class Fp32Linear(nn.Linear):
+    """A Linear computed in fp32 whatever its input's and weight's dtype (DeepSeek-V3's router: transformers keeps
+    its gate in fp32; a bf16 score moves by about as much as the selection bias's step, and changes which experts
+    some tokens get). A module, so the TP plan's hooks on it still run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Router(nn.Module):
     """Top-k router: `gate` logits, scores over the experts in fp32, the top-k experts, their weights.
 
@@ -97,11 +106,15 @@ class Router(nn.Module):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
         if num_experts % n_group or not 0 < topk_group <= n_group:
             raise ValueError(f"{num_experts} experts in {n_group} groups, {topk_group} chosen: they must divide")
-        if n_group > 1 and top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"top_k ({top_k}) exceeds the experts of the {topk_group} chosen groups")
+        if n_group > 1 and (top_k > topk_group * (num_experts // n_group) or num_experts // n_group < 2):
+            raise ValueError(
+                f"{num_experts} experts in {n_group} groups of which {topk_group} are chosen: a group scores its two "
+                f"best experts, and the chosen groups must hold top_k ({top_k})"
+            )
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.score_func, self.n_group, self.topk_group, self.route_scale = score_func, n_group, topk_group, route_scale
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # sigmoid scores (DeepSeek-V3) from fp32 logits, as transformers computes them; softmax (Qwen3) as HF's
+        self.gate = (Fp32Linear if score_func == "sigmoid" else nn.Linear)(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,7 +123,7 @@ class Router(nn.Module):
         if self.score_func == "softmax":
             scores = probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         else:
-            scores = torch.sigmoid(logits.float())
+            scores = torch.sigmoid(logits)  # fp32 (Fp32Linear)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         choice = scores + self.expert_bias.float()
         if self.n_group > 1:  # only the experts of the topk_group groups with the best two-expert sums
@@ -126,7 +139,7 @@ class Router(nn.Module):
             top = top / (denominator if self.score_func == "softmax" else denominator + 1e-20)
         if self.route_scale != 1.0:
             top = top * self.route_scale
-        return probs, top.to(logits.dtype), ids
+        return probs, top.to(logits.dtype if self.score_func == "softmax" else x.dtype), ids
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -389,6 +402,7 @@ class MoE(MoELayer):
 
 
 __all__ = [
+    "Fp32Linear",
     "GroupedExperts",
     "LocalDispatcher",
     "MoE",

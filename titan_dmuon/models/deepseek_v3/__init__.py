@@ -1,9 +1,12 @@
 """DeepSeek-V3 model family (multi-head latent attention, DeepSeekMoE): flavors (the published shapes of
-Moonlight-16B-A3B, DeepSeek-V3 671B and Kimi K2, and CPU-sized ones), Hugging Face adapter, and its ModelSpec
+Moonlight-16B-A3B, DeepSeek-V3 671B and Kimi K2, the last two also without their long-context RoPE scaling for the
+4K pretraining stage, and CPU-sized ones), Hugging Face adapter, and its ModelSpec
 (registered as "deepseek_v3" when this package is imported). The builder, TP plan, activation estimate, per-head
 blocks and MoE are the shared core's (titan_dmuon/models/common/)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from titan_dmuon.components.model import register_model_spec
 from titan_dmuon.models.common.rope import Yarn
@@ -14,6 +17,47 @@ from .state_dict_adapter import DeepseekV3StateDictAdapter
 
 KIMI_VOCAB_SIZE = 163840  # Moonlight and Kimi K2
 DEEPSEEK_V3_VOCAB_SIZE = 129280
+
+# Our auxiliary loss is E * sum_e f_e P_e per MoE layer (f_e: routed pairs per token), averaged over the layers;
+# DeepSeek's is alpha * (E / top_k) * sum_e f_e P_e per layer, summed over them (and per sequence, ours per batch):
+# alpha of theirs is alpha * n_moe_layers / top_k of ours.
+_DEEPSEEK_V3 = ModelArgs(
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    vocab_size=DEEPSEEK_V3_VOCAB_SIZE,
+    ffn_hidden_dim=18432,
+    rope_theta=10000.0,
+    rope_scaling=Yarn(
+        factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
+    ),
+    q_lora_rank=1536,
+    num_experts=256,
+    top_k=8,
+    moe_hidden_dim=2048,
+    n_shared_experts=1,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    aux_loss_coef=1e-4 * 58 / 8,  # the report's alpha 1e-4 over its 58 MoE layers and top-8 (see above)
+    bias_update_rate=0.001,  # the report's bias update speed
+)
+_KIMI_K2 = dataclasses.replace(
+    _DEEPSEEK_V3,
+    n_heads=64,
+    vocab_size=KIMI_VOCAB_SIZE,
+    rope_theta=50000.0,
+    rope_scaling=Yarn(
+        factor=32, original_max_position_embeddings=4096, beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
+    ),
+    num_experts=384,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    aux_loss_coef=0.0,  # auxiliary-loss-free balancing only
+)
 
 deepseek_v3_configs: dict[str, ModelArgs] = {
     # Sized for a laptop CPU (vocab_size from the tokenizer): a query latent, a dense first layer, 8 routed experts
@@ -75,52 +119,17 @@ deepseek_v3_configs: dict[str, ModelArgs] = {
         n_shared_experts=2,
         first_k_dense_replace=1,
         routed_scaling_factor=2.446,
-        aux_loss_coef=0.001,  # its config.json's aux_loss_alpha
+        aux_loss_coef=0.001 * 26 / 6,  # its config.json's aux_loss_alpha 0.001 over 26 MoE layers and top-6
         bias_update_rate=0.001,  # auxiliary-loss-free balancing at DeepSeek-V3's rate (noaux_tc)
     ),
     # deepseek-ai/DeepSeek-V3 config.json (its multi-token-prediction layer not built)
-    "671B": ModelArgs(
-        dim=7168,
-        n_layers=61,
-        n_heads=128,
-        vocab_size=DEEPSEEK_V3_VOCAB_SIZE,
-        ffn_hidden_dim=18432,
-        rope_theta=10000.0,
-        rope_scaling=Yarn(
-            factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
-        ),
-        q_lora_rank=1536,
-        num_experts=256,
-        top_k=8,
-        moe_hidden_dim=2048,
-        n_shared_experts=1,
-        first_k_dense_replace=3,
-        n_group=8,
-        topk_group=4,
-        routed_scaling_factor=2.5,
-        aux_loss_coef=0.0001,  # the report's balance loss weight (ours is per layer over the batch, its per sequence)
-        bias_update_rate=0.001,  # the report's bias update speed
-    ),
+    "671B": _DEEPSEEK_V3,
     # moonshotai/Kimi-K2-Base config.json: DeepSeek-V3 with 64 heads, 384 experts (no groups), one dense layer
-    "kimi_k2": ModelArgs(
-        dim=7168,
-        n_layers=61,
-        n_heads=64,
-        vocab_size=KIMI_VOCAB_SIZE,
-        ffn_hidden_dim=18432,
-        rope_theta=50000.0,
-        rope_scaling=Yarn(
-            factor=32, original_max_position_embeddings=4096, beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0
-        ),
-        q_lora_rank=1536,
-        num_experts=384,
-        top_k=8,
-        moe_hidden_dim=2048,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.827,
-        bias_update_rate=0.001,  # DeepSeek-V3's auxiliary-loss-free balancing
-    ),
+    "kimi_k2": _KIMI_K2,
+    # The pretraining stage of both (4K sequences with plain RoPE; YaRN stretched it to 128K afterwards): the same
+    # shapes and weights without the RoPE scaling, whose softmax scale and frequencies are the long-context ones
+    "671B_pretrain": dataclasses.replace(_DEEPSEEK_V3, rope_scaling=None),
+    "kimi_k2_pretrain": dataclasses.replace(_KIMI_K2, rope_scaling=None),
 }
 
 

@@ -111,7 +111,6 @@ def build_block(layer_id: int, args: ModelArgs) -> TransformerBlock:
         qk_rope_head_dim=args.qk_rope_head_dim,
         v_head_dim=args.v_head_dim,
         softmax_scale=args.softmax_scale,
-        norm_eps=args.norm_eps,
     )
     feed_forward: nn.Module
     if args.is_moe_layer(layer_id):

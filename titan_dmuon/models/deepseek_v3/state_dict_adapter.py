@@ -61,6 +61,10 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
         "topk_group",
         "first_k_dense_replace",
         "n_shared_experts",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "rms_norm_eps",
+        "rope_theta",
     )
 
     def from_hf_name(self, hf_name: str) -> str | None:
@@ -76,7 +80,15 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
 
     def check_hf_config(self, config: dict[str, Any]) -> None:
         """Also: the folder's RoPE scaling must compute what ours does: the frequencies, the cos/sin factor and the
-        softmax scale (each depends on more fields than the factor; `Yarn.scales_like`)."""
+        softmax scale (each depends on more fields than the factor; `Yarn.scales_like`). And its weights must be
+        plain: the published DeepSeek-V3 and Kimi K2 folders hold FP8 blocks with `weight_scale_inv` scales, which an
+        import would cast without their scales."""
+        if config.get("quantization_config"):
+            method = config["quantization_config"].get("quant_method", "?")
+            raise ValueError(
+                f"config.json has a quantization_config ({method}): the weights are quantized (e.g. FP8 blocks with "
+                "weight_scale_inv scales); dequantize the folder to bf16 first (e.g. DeepSeek's fp8_cast_bf16.py)"
+            )
         super().check_hf_config(config)
         a = self.args
         theirs = config.get("rope_scaling") or config.get("rope_parameters") or {}
