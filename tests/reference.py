@@ -152,3 +152,13 @@ class ExpertSlices:
     def write_back(self) -> None:
         for n, p in self.stacks.items():
             p.copy_(torch.stack([s.data for s in self.slices[n]]))
+
+
+def uncached_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The `n` greedy tokens after `prompt`, each from a full forward of the whole sequence so far: the reference a
+    KV-cached generation must equal (no cache, no padding, one row)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests._scripts import load_script
+from tests.reference import uncached_greedy
 from titan_dmuon.components.checkpoint.hf_io import export_hf, load_hf_weights
 from titan_dmuon.components.generation import Sampling, generate
 from titan_dmuon.components.kv_cache import KVCache
@@ -549,12 +550,6 @@ def test_router_equals_hf_router(norm, groups) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- generation
-def _uncached_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt) :]
 
 
 def test_latent_kv_cache_equals_the_uncached_forward() -> None:
@@ -588,7 +583,7 @@ def test_latent_kv_cache_equals_the_uncached_forward() -> None:
     assert len({tuple(s[-steps:]) for s in seqs}) == 3  # not one degenerate continuation
     n = 8
     out = generate(model, prompts, Sampling(max_new_tokens=n))
-    assert out.tokens == [_uncached_greedy(model, p, n) for p in prompts]
+    assert out.tokens == [uncached_greedy(model, p, n) for p in prompts]
 
 
 def test_generate_py_on_a_deepseek_v3_export_equals_transformers(tmp_path) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests._scripts import load_script
+from tests.reference import uncached_greedy
 from titan_dmuon.components.checkpoint.hf_io import export_hf, load_hf_weights
 from titan_dmuon.components.generation import Sampling, generate
 from titan_dmuon.components.model import check_flavor, cross_entropy_loss, get_model_spec
@@ -185,12 +186,6 @@ def test_mha_and_untied_import_of_a_tied_folder(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ generation
-def _uncached_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt) :]
 
 
 def test_kv_cached_generation_equals_uncached_and_transformers(tmp_path):
@@ -198,7 +193,7 @@ def test_kv_cached_generation_equals_uncached_and_transformers(tmp_path):
     prompts = [[5, 17, 3, 9, 44, 2, 71], [8, 1], [60, 61, 62, 63]]  # left-padded to one batch
     n = 12
     out = generate(model, prompts, Sampling(max_new_tokens=n))
-    want = [_uncached_greedy(model, p, n) for p in prompts]
+    want = [uncached_greedy(model, p, n) for p in prompts]
     assert out.tokens == want
     assert len({tuple(t) for t in want}) == len(prompts)  # not one degenerate continuation
     export_hf(model.state_dict(), tmp_path, SPEC.state_dict_adapter(model))
@@ -222,7 +217,7 @@ def test_generate_py_on_a_qwen3_export(tmp_path):
     with contextlib.redirect_stdout(text):
         assert load_script("generate").main(argv) == 0
     ids = [[int(t) for t in line.split()[1:]] for line in text.getvalue().splitlines() if line.startswith("ids:")]
-    want = _uncached_greedy(model, tokenizer.encode("def f(x):", bos=True, eos=False), 6)
+    want = uncached_greedy(model, tokenizer.encode("def f(x):", bos=True, eos=False), 6)
     if tokenizer.eos_id in want:
         want = want[: want.index(tokenizer.eos_id)]
     assert ids == [want], text.getvalue()

@@ -35,7 +35,8 @@ sequence parallelism each TP rank routes its own chunk, so every routed term is 
 SwiGLU's 4 e f:
   * the router: the fp32 scores (4E: the softmax's probabilities, or the sigmoid's scores), the top-k ids, the
     sort order and each pair's token (int64, 3 x 8k), and with norm_topk_prob the fp32 top-k scores and their sum
-    (4k + 4);
+    (4k + 4); the sigmoid router's gate runs in fp32 (moe.py's Fp32Linear), so under a lower compute dtype it also
+    keeps its input's fp32 copy (4h);
   * the gathered rows [tokens * k, dim] (e k h) and each pair's weight (e k);
   * the experts' w1 x, silu(w1 x), w3 x and their product (4 e k m, the SwiGLU's terms at k rows per token), and
     their output before weighting (e k h);
@@ -75,7 +76,7 @@ from titan_dmuon.parallel.parallelize import ac_plan
 
 from .feed_forward import FeedForward
 from .mla import MLAttention
-from .moe import MoE
+from .moe import Fp32Linear, MoE
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ def moe_bytes(moe: MoE, dim: int, e: int) -> float:
     """An MoE's routed part's bytes per routed token (the module docstring's list), before the TP split."""
     k, m = moe.top_k, moe.experts.w1.shape[1]
     router = 4 * moe.num_experts + 3 * 8 * k + ((4 * k + 4) if moe.router.norm_topk_prob else 0)
+    if isinstance(moe.router.gate, Fp32Linear) and e < 4:
+        router += 4 * dim  # the fp32 copy of the gate's input, kept for its weight's grad
     return router + e * k * (2 * dim + 4 * m + 1)
 
 
@@ -175,7 +178,8 @@ def feed_forward_bytes(ffn: nn.Module, h: int, e: int, s: int) -> PartBytes:
         return PartBytes(kept=norm_bytes(h, e, s) + 4 * e * f / s, matmuls=(f / s, f / s, h))
     norm_local = (4 * h + 4 + e * h) / s + e * h / s  # an RMSNorm whose output is read locally
     k, m = ffn.top_k, ffn.experts.w1.shape[1]
-    kept, matmuls = norm_local + moe_bytes(ffn, h, e) / s, (ffn.num_experts / s,)
+    logits = ffn.num_experts * (4 / e if isinstance(ffn.router.gate, Fp32Linear) else 1)  # fp32 logits: 4/e elements
+    kept, matmuls = norm_local + moe_bytes(ffn, h, e) / s, (logits / s,)
     if ffn.shared_experts is not None:
         m_s = swiglu_width(ffn.shared_experts)
         kept += 4 * e * m_s / s + (e * h if s > 1 else 0)
