@@ -31,7 +31,8 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 @dataclass(frozen=True)
 class Yarn:
-    """YaRN RoPE scaling, Hugging Face's ``rope_scaling`` fields of ``"rope_type": "yarn"`` (arXiv 2309.00071)."""
+    """YaRN RoPE scaling: Hugging Face's ``rope_scaling`` fields of ``"rope_type": "yarn"`` (the module docstring
+    says what it computes)."""
 
     factor: float
     original_max_position_embeddings: int
