@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -122,6 +123,27 @@ class Streams:
         return float(sample)
 
 
+# Debugging only (scripts/gpu_check.sh sets it under the CUDA sanitizer): a side stream entered through
+# `CudaStreams.use` first spins this many GPU cycles (`torch.cuda._sleep`), so that its collectives land late and a
+# missing wait, event or hold shows as a race (wrong numbers, or the sanitizer's report) instead of hiding behind
+# the side stream being quick. Unset or 0: off. Read when the streams are made.
+SLOW_STREAMS_ENV = "DMUON_DEBUG_SLOW_STREAMS_CYCLES"
+
+
+def slow_streams_cycles() -> int:
+    """The cycles of `SLOW_STREAMS_ENV` (0 when unset); a value that is not a non-negative integer is an error."""
+    raw = os.environ.get(SLOW_STREAMS_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        cycles = int(raw)
+    except ValueError:
+        cycles = -1
+    if cycles < 0:
+        raise ValueError(f"{SLOW_STREAMS_ENV}={raw!r}: give a number of GPU cycles (an integer >= 0)")
+    return cycles
+
+
 class CudaStreams(Streams):
     """The dedicated CUDA streams: `broadcast` and `reduce` at high priority (-1), `replicate_broadcast` at the
     default priority (0)."""
@@ -131,12 +153,17 @@ class CudaStreams(Streams):
     def __init__(self, device: torch.device):
         self.device = device
         self.streams = {n: torch.cuda.Stream(device, priority=p) for n, p in self.PRIORITY.items()}
+        self.slow_cycles = slow_streams_cycles()
+        # torch.cuda._sleep is private (scripts/gpu_check_api.py lists it): without it the debug delay is off
+        self._sleep = getattr(torch.cuda, "_sleep", None) if self.slow_cycles else None
 
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[None]:
         stream = self.streams[name]
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the buffers compute wrote are ready
         with torch.cuda.stream(stream):
+            if self._sleep is not None:
+                self._sleep(self.slow_cycles)  # SLOW_STREAMS_ENV: this stream's next ops start late
             yield
 
     def hold(self, *tensors: torch.Tensor) -> None:
@@ -315,12 +342,25 @@ def _split_from_parent(uses_nccl: bool) -> bool:
     """Whether the new group must be split from the mesh's group: with TorchComms (new_group cannot make a group
     of its members only there), or on NCCL when the default group is a split source, exactly the predicate
     under which `_new_process_group_helper` would split a new NCCL group from the world communicator."""
-    if _c10d._use_torchcomms_enabled():
+    if _torchcomms_enabled():
         return True
     if not uses_nccl:
         return False
     default = _c10d._get_default_group()
-    return bool(default.bound_device_id) and _c10d._get_split_source(default) is not None
+    if not default.bound_device_id:
+        return False
+    split_source = getattr(_c10d, "_get_split_source", None)
+    if split_source is not None:
+        return split_source(default) is not None
+    # A torch without it: its rule inline (the bound device's backend, if that backend can split)
+    return bool(getattr(default._get_backend(default.bound_device_id), "supports_splitting", False))
+
+
+def _torchcomms_enabled() -> bool:
+    """`distributed_c10d._use_torchcomms_enabled()` where this torch has it; False on a torch from before TorchComms
+    (without the function there is no TorchComms backend to have enabled)."""
+    enabled = getattr(_c10d, "_use_torchcomms_enabled", None)
+    return bool(enabled()) if enabled is not None else False
 
 
 def _check_agreed_name(parent: dist.ProcessGroup, ranks: list[int]) -> None:
