@@ -1,8 +1,8 @@
 """dmuon.costs against a real run's ledger: a TinyLlama on 4 gloo ranks (HSDP 2 x 2 in Z2 and Z3; dp 2 x tp 2 with
-the TP updates gathered, and with the distributed Gram), two steps, then on every rank `dmuon.comm_stats` equals
-the cost model's figures of the model's own matrices (`dmuon.dedicated_matrices`), each counted on the ranks it moves
-on: its shard group's broadcast and reduce, its owner column's replicate reduce and publish, its DP owner's TP
-traffic."""
+the TP updates gathered, and with the distributed Gram under the "beneficial" and "always" policies), two steps,
+then on every rank `dmuon.comm_stats` equals the cost model's figures of the model's own matrices
+(`dmuon.dedicated_matrices`), each counted on the ranks it moves on, on the path `costs.tp_path` decides: its shard
+group's broadcast and reduce, its owner column's replicate reduce and publish, its DP owner's TP traffic."""
 
 from __future__ import annotations
 
@@ -16,11 +16,22 @@ LAYOUTS = {
     "hsdp2x2-z3": dict(mesh=(2, 2, 1), z3=True, gram=False),
     "hsdp2x2-z2": dict(mesh=(2, 2, 1), z3=False, gram=False),
     "dp2xtp2": dict(mesh=(1, 2, 2), z3=True, gram=False),
-    "dp2xtp2-gram": dict(mesh=(1, 2, 2), z3=True, gram=True),
+    # FF = 4 D: the MLP's l/s = 4 > the 3 Gram all-reduces of "muon": "beneficial" gives it the Gram, q/k/v/o gather
+    "dp2xtp2-gram": dict(mesh=(1, 2, 2), z3=True, gram=True, policy="beneficial", ff=128),
+    # FF = 2 D: "beneficial" would gather all; "always" gives the MLP and o (square, row-parallel) the Gram
+    "dp2xtp2-gram-always": dict(mesh=(1, 2, 2), z3=True, gram=True, policy="always"),
 }
 
 
-def _run(rank: int, world_size: int, mesh_shape: tuple[int, int, int], z3: bool, gram: bool) -> dict:
+def _run(
+    rank: int,
+    world_size: int,
+    mesh_shape: tuple[int, int, int],
+    z3: bool,
+    gram: bool,
+    policy: str = "beneficial",
+    ff: int = 64,
+) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -29,14 +40,14 @@ def _run(rank: int, world_size: int, mesh_shape: tuple[int, int, int], z3: bool,
     from titan_dmuon import dmuon
 
     torch.manual_seed(0)
-    model = TinyLlama(32, 64, 4, 2)
+    model = TinyLlama(32, ff, 4, 2)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard", "tp"))
     if mesh_shape[2] > 1:
         apply_llama_tp(model, mesh["tp"])
     replicate = mesh["replicate"] if mesh_shape[0] > 1 else None
     dmuon.dedicate_params(model, mesh["shard"], proj_predicate, replicate_mesh=replicate, reshard_after_forward=z3)
     shard_blocks(model, mesh["replicate", "shard"] if replicate is not None else mesh["shard"])
-    opt = build_muon(model, tp_distributed_gram=gram)
+    opt = build_muon(model, tp_distributed_gram=gram, tp_distributed_gram_policy=policy)
     coord = mesh.get_coordinate()
     for step in range(2):  # the second step is a steady one (an async TP scatter lands in the step after its own)
         model(seq_batch(step, coord[0] * mesh_shape[1] + coord[1], 2, 8, 32)).backward()
@@ -60,7 +71,8 @@ def test_the_cost_model_is_the_ledger_of_a_real_run(layout) -> None:
     costs = dmuon.costs
     spec = LAYOUTS[layout]
     R, N, _ = spec["mesh"]
-    results = run_distributed(_run, 4, spec["mesh"], spec["z3"], spec["gram"])
+    policy, ff = spec.get("policy", "beneficial"), spec.get("ff", 64)
+    results = run_distributed(_run, 4, spec["mesh"], spec["z3"], spec["gram"], policy, ff)
     paths = set()
     for rank, got in enumerate(results):
         want = costs.Traffic()
@@ -68,7 +80,7 @@ def test_the_cost_model_is_the_ledger_of_a_real_run(layout) -> None:
         for m in got["matrices"]:
             column = got["coord"]["shard"] == m.owner_shard
             owner = column and got["coord"]["replicate"] == m.owner_replicate
-            path = m.tp_path(spec["gram"])
+            path = m.tp_path(spec["gram"], policy, got["restarts"])
             paths.add(path)
             mine = costs.shard_axis(m.numel, N, z3=spec["z3"])  # every rank of the shard group
             if column:

@@ -9,12 +9,12 @@ import torch
 
 from tests._dist import run_distributed
 from tests.dmuon_harness import merge_momentum
-from tests.dmuon_tp_harness import LAYERS, STEPS, D, tp_reference, tp_train
+from tests.dmuon_tp_harness import FF, LAYERS, STEPS, D, tp_reference, tp_train
 from tests.reference import assert_rel_close
 
 
-def _check_parity(results, dp_size, gram_for_rectangular: bool = False):
-    ref_losses, ref_sd, ref_norms, ref_momentum = tp_reference(dp_size, gram_for_rectangular)
+def _check_parity(results, dp_size, gram_matrices=()):
+    ref_losses, ref_sd, ref_norms, ref_momentum = tp_reference(dp_size, gram_matrices)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
@@ -72,17 +72,43 @@ def test_tp_size_1_is_bitwise_the_plain_run():
         assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"])
 
 
+# tp_distributed_gram_policy on the harness's TinyLlama (D = 32, FF = 4 D, "muon" coefficients: 3 Gram all-reduces
+# per NS): which of a block's matrices take the distributed Gram. gate/up (FF x D, column-parallel) and down (D x FF,
+# row-parallel) are split on their long side, l/s = 4 > 3: the Gram pays. o (square, row-parallel) could take it
+# (its Gram splits dim 1) but l/s = 1 <= 3; q/k/v (square, column-parallel: dim 0 split) cannot.
+GRAM_OF_POLICY = {
+    "beneficial": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "always": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"),
+    "never": (),
+}
+MATRICES = {  # a block's TP matrices and their full shapes
+    **{f"self_attn.{n}_proj": (D, D) for n in "qkvo"},
+    "mlp.gate_proj": (FF, D),
+    "mlp.up_proj": (FF, D),
+    "mlp.down_proj": (D, FF),
+}
+
+
 @pytest.mark.slow
-def test_tp_distributed_gram_matches_gram_reference_and_skips_gather():
-    """tp_distributed_gram: non-square TP matrices sharded on their long side (gate/up/down) all-reduce an
-    s×s Gram instead of gathering/scattering the m×n update; square ones keep gather -> NS -> scatter."""
-    results = run_distributed(tp_train, 4, "dp_tp", (2, 2), tp_distributed_gram=True)
-    _check_parity(results, 2, gram_for_rectangular=True)
-    s = D  # short side of gate/up/down: Gram all-reduce of s×s per matrix on each DP-owner TP rank
-    # per restart segment: the "muon" triple 5 times restarts before steps 2 and 4 (a product of a = 3.4445 over a
-    # third step, 40.9, passes the restart gain 40), so 3 all-reduces per matrix
-    segments = 3
+@pytest.mark.parametrize("policy", list(GRAM_OF_POLICY))
+def test_tp_distributed_gram_policy_matches_its_reference_and_moves_what_it_decides(policy):
+    """tp_distributed_gram=True under each tp_distributed_gram_policy, dp2 x tp2 on 4 gloo ranks: the matrices the
+    policy gives the Gram all-reduce s×s Gram matrices (one per restart segment) and match a Gram-formulation
+    reference; every other TP matrix is gathered, orthogonalized whole and scattered, and matches the direct one. The
+    paths the optimizer reports (dmuon.tp_paths, the start-up log's) and the ledger both show the decision, so a wrong
+    one fails here even where the two formulations agree to the parity tolerance."""
+    results = run_distributed(tp_train, 4, "dp_tp", (2, 2), tp_distributed_gram=True, tp_distributed_gram_policy=policy)
+    gram = {f"layers.{i}.{name}.weight" for i in range(LAYERS) for name in GRAM_OF_POLICY[policy]}
+    every = {f"layers.{i}.{name}.weight" for i in range(LAYERS) for name in MATRICES}
     for r in results:
-        grams = r["ledger"]["tp_gram"]
-        assert grams == 0 or grams % (s * s) == 0
-    assert sum(r["ledger"]["tp_gram"] for r in results) == pytest.approx(3 * LAYERS * 2 * s * s * segments)
+        assert r["tp_paths"] == {fqn: "gram" if fqn in gram else "gather" for fqn in every}
+    _check_parity(results, 2, gram)
+    # the "muon" triple 5 times restarts before steps 2 and 4 (a product of a = 3.4445 over a third step, 40.9,
+    # passes the restart gain 40): 3 all-reduces of s×s per Gram matrix, s² counted on each of its 2 TP ranks
+    segments, s = 3, D
+    grams = len(GRAM_OF_POLICY[policy]) * LAYERS
+    assert sum(r["ledger"].get("tp_gram", 0) for r in results) == pytest.approx(grams * 2 * s * s * segments)
+    # a gathered matrix: (T-1)/T of it onto the TP owner on each of its DP owner's 2 TP ranks, as much scattered back
+    gathered = LAYERS * sum(m * n for name, (m, n) in MATRICES.items() if name not in GRAM_OF_POLICY[policy])
+    for kind in ("tp_gather", "tp_scatter"):
+        assert sum(r["ledger"].get(kind, 0) for r in results) == pytest.approx(gathered), kind

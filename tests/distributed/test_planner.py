@@ -182,6 +182,40 @@ LAYERS |= {"qwen3_30b_a3b.toml": 48, "qwen3_235b_a22b.toml": 94}
 GIB = 2.0**30
 
 
+# the debug model's TP matrices at TP 2 (dim 256, FFN 768): which of a block's take the Gram under each policy
+# (Polar Express: 2 Gram all-reduces per NS; the Gram path needs the long side split, dim 1 of a square matrix)
+GRAM_OF_POLICY = {
+    "beneficial": ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),  # l/s = 3 > 2
+    "always": ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention.wo"),  # + wo (row-parallel)
+    "never": (),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", list(GRAM_OF_POLICY))
+def test_the_planned_tp_bytes_follow_the_gram_policy(policy, tmp_path) -> None:
+    """The dry run of the debug model at dp 2 x tp 2 with tp_distributed_gram under each
+    tp_distributed_gram_policy: each matrix's planned path is the one dmuon.Muon takes (the same costs.tp_decision;
+    tests/distributed/test_dmuon_costs.py holds it to a real run's ledger), and the tp_* bytes are those paths'
+    formulas: per Gram matrix (1 + restarts) all-reduces of 2 (T-1)/T s² fp32 on each TP rank of its DP owner, per
+    gathered one (T-1)/T of m x n fp32 gathered and as much scattered."""
+    argv = [*DEBUG, "--job.dump_folder", str(tmp_path / "run"), "--parallelism.tensor_parallel_degree", "2"]
+    argv += ["--optimizer.dmuon.tp_distributed_gram", "true", "--optimizer.dmuon.tp_distributed_gram_policy", policy]
+    planned, _ = dry_run(argv, 4, tmp_path / "plan.json")
+    comm, layers = planned["bytes_per_step"], 6
+    shapes = {f"attention.{w}": (256, 256) for w in ("wq", "wk", "wv", "wo")}
+    shapes |= {"feed_forward.w1": (768, 256), "feed_forward.w3": (768, 256), "feed_forward.w2": (256, 768)}
+    gram = GRAM_OF_POLICY[policy]
+    want = {f"layers.{i}.{n}.weight": "gram" if n in gram else "gather" for i in range(layers) for n in shapes}
+    assert comm["tp_paths"] == want and comm["tp_distributed_gram_policy"] == policy
+    segments, f = 2, 1 / 2
+    gram_bytes = layers * len(gram) * 2 * segments * 2 * f * 256 * 256 * 4  # on both TP ranks of each DP owner
+    gathered = layers * sum(m * n for name, (m, n) in shapes.items() if name not in gram)
+    total = {k: sum(comm["dmuon_bytes"][k]["per_rank"]) for k in ("tp_gram", "tp_gather", "tp_scatter")}
+    assert total["tp_gram"] == pytest.approx(gram_bytes)
+    assert total["tp_gather"] == total["tp_scatter"] == pytest.approx(2 * f * gathered * 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config,world,extra",

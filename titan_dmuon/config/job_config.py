@@ -219,7 +219,14 @@ class DMuonConfig:
     """
     tp_distributed_gram: bool = False
     """With tensor parallelism, compute the Newton-Schulz Gram matrix across the TP ranks instead of gathering the full
-    matrix on the TP owner.
+    matrix on the TP owner (for the matrices tp_distributed_gram_policy picks).
+    """
+    tp_distributed_gram_policy: Literal["beneficial", "always", "never"] = "beneficial"
+    """With tp_distributed_gram, which TP matrices that can take the Gram path (the whole matrix TP-split on its long
+    side) take it, decided per matrix: "beneficial" those whose Gram all-reduces move fewer bytes than gathering and
+    scattering the full update (long side > (1 + Gram restarts) x short side: 2x for Polar Express at 5 steps, 3x
+    for "muon"); "always" every one; "never" none (docs/dmuon.md, "tp_distributed_gram"). The start-up log prints
+    each matrix's path and why.
     """
 
 

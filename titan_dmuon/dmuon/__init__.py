@@ -22,10 +22,12 @@ from .api import (
     dedicate_params_ddp,
     dedicate_params_ddp_tp,
     dedicated_matrices,
+    describe_tp_paths,
     get_dedicated_params,
     get_owned_params,
     replicate,
     replicate_tp,
+    tp_paths,
 )
 from .clip import clip_grad_norm_
 from .ddp import replicate_no_sync
@@ -138,6 +140,7 @@ __all__ = [
     "dedicate_params_ddp",
     "dedicate_params_ddp_tp",
     "dedicated_matrices",
+    "describe_tp_paths",
     "get_dedicated_params",
     "get_model_state_dict",
     "get_ns_backend",
@@ -156,5 +159,6 @@ __all__ = [
     "resolve_coefficients",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "tp_paths",
     "zeropower_via_newtonschulz",
 ]

@@ -550,3 +550,48 @@ def dedicated_matrices(model: nn.Module, options: MuonOptions | None = None) -> 
                 )
             )
     return out
+
+
+def tp_paths(model: nn.Module, optimizer) -> list[tuple[costs.Matrix, costs.TPDecision]]:
+    """Each TP-sharded dense dedicated matrix (an expert stack's EP shard holds whole experts: no TP path) with the
+    path `optimizer` (a dmuon.Muon) takes for it and why: `costs.tp_decision` under its `tp_distributed_gram`,
+    `tp_distributed_gram_policy` and NS settings, the one rule the optimizer and the planner follow. Plain values,
+    the same on every rank; [] without TP."""
+    options = optimizer.options
+    gram = (optimizer.tp_distributed_gram, optimizer.tp_distributed_gram_policy, _tp.gram_restarts_of(options))
+    return [(m, m.tp_decision(*gram)) for m in dedicated_matrices(model, options) if m.shard_dim is not None]
+
+
+def describe_tp_paths(model: nn.Module, optimizer) -> str:
+    """`tp_paths` as the start-up log prints it: a header (the settings, how many matrices take each path), then one
+    line per matrix, the matrices that differ only in their block index (`layers.N`) on one line: shape, TP-split
+    dim, path, why and, where the Gram path is possible, both paths' fp32 bytes per TP rank of the DP owner and
+    step. "" without TP."""
+    decided = tp_paths(model, optimizer)
+    if not decided:
+        return ""
+    segments = 1 + len(_tp.gram_restarts_of(optimizer.options))
+    count: dict[str, int] = {}
+    for _, d in decided:
+        count[d.path] = count.get(d.path, 0) + 1
+    lines = [
+        f"DMuon TP paths (tp_distributed_gram={optimizer.tp_distributed_gram}, "
+        f"tp_distributed_gram_policy={optimizer.tp_distributed_gram_policy!r}, {segments} Gram all-reduces per NS): "
+        + ", ".join(f"{path} {n}" for path, n in sorted(count.items()))
+    ]
+    rows: dict[str, list[str]] = {}
+    for m, d in decided:
+        pattern = ".".join("*" if part.isdigit() else part for part in m.fqn.split("."))
+        shape = "x".join(str(s) for s in m.full_shape)
+        line = f"{pattern} {shape}, TP {m.tp_size} on dim {m.shard_dim}: {d.path} ({d.reason}"
+        if d.gram_bytes and d.gather_bytes:
+            line += f"; per TP rank: Gram {_mib(d.gram_bytes)}, gather+scatter {_mib(d.gather_bytes)}"
+        line += ")"
+        rows.setdefault(line, []).append(m.fqn)
+    for line, fqns in rows.items():
+        lines.append(f"  {line}" if len(fqns) == 1 else f"  {line} [x{len(fqns)}]")
+    return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"

@@ -9,8 +9,9 @@ One statement of each formula, for the optimizer and for whoever plans a run wit
   `ns_cost` (half of it: the partitioner's unit), `matrix_ns_cost` of a matrix split into head blocks or experts,
   which partition.py balances;
 - the paths a matrix's update takes: `update_blocks` (expert stacks by expert, per-head Muon by head),
-  `heads_are_local` and `tp_path` (which TP matrices need a gather/scatter or a distributed Gram), which
-  dmuon.Muon follows.
+  `heads_are_local` and `tp_decision` / `tp_path` (which TP matrices need a gather/scatter or a distributed Gram,
+  under `tp_distributed_gram_policy`: `gram_is_beneficial` compares the two paths' bytes), which dmuon.Muon, its
+  layout printout and the planner all follow.
 
 `dmuon.dedicated_matrices(model)` (api.py) reads a model's dedicated matrices into plain `Matrix` records, so that a
 planner (the dry run, titan_dmuon/planner/) sums these functions over a model it never steps.
@@ -181,12 +182,100 @@ def heads_are_local(local_shape: Sequence[int], shard_dim: int | None, head_bloc
     return shard_dim is not None and dim == shard_dim and int(local_shape[dim]) % size == 0
 
 
-def gram_is_beneficial(full_shape: Sequence[int], shard_dim: int | None) -> bool:
-    """Distributed Gram pays when the TP-sharded dim is the long side: the s×s Gram all-reduce is then smaller than
-    gathering and scattering the full m×n update (docs/dmuon.md, "Tensor parallelism")."""
-    m, n = int(full_shape[0]), int(full_shape[1])
-    long_dim = 0 if m > n else 1 if n > m else None
-    return long_dim is not None and shard_dim == long_dim
+TP_GRAM_POLICIES = ("beneficial", "always", "never")
+"""`tp_distributed_gram_policy`'s values (docs/dmuon.md, "tp_distributed_gram"): which TP matrices that can take the
+distributed Gram ("gram" path) take it: "beneficial" (the default) those whose Gram all-reduces move fewer bytes
+than gathering and scattering their full update, "always" every one, "never" none."""
+
+
+def check_tp_gram_policy(policy: object) -> str:
+    """`policy` when it is one of TP_GRAM_POLICIES, else a ValueError naming it and the choices."""
+    if not isinstance(policy, str) or policy not in TP_GRAM_POLICIES:
+        choices = ", ".join(repr(p) for p in TP_GRAM_POLICIES)
+        raise ValueError(f"tp_distributed_gram_policy must be one of {choices}, got {policy!r}")
+    return policy
+
+
+def gram_split_dim(full_shape: Sequence[int]) -> int:
+    """The dim a matrix's TP shards must split for the distributed Gram: the long side, along which the blocks'
+    partial Gram matrices add up (X Xᵀ = Σ X_i X_iᵀ for X = [X_1 ... X_T]). NS iterates on a wide or square matrix
+    as it is and on a tall one transposed, so: 1 for a wide or square matrix, 0 for a tall one. A square matrix
+    split on dim 0 (a column-parallel wq) cannot take it."""
+    return 0 if int(full_shape[0]) > int(full_shape[1]) else 1
+
+
+def gram_is_beneficial(full_shape: Sequence[int], tp_size: int, restarts: Sequence[int]) -> bool:
+    """Whether the distributed Gram of a matrix TP-split on its long side moves fewer bytes per rank than the
+    gather path: `tp_gram` (one s×s fp32 all-reduce per restart segment, 2(T-1)/T of it per rank) against
+    `tp_update` (the full m×n fp32 update gathered and scattered, (T-1)/T of it each). The (T-1)/T cancels:
+    the Gram path pays iff (1 + len(restarts))·s < l, s the short side and l the long one (docs/dmuon.md,
+    "tp_distributed_gram"); a tie keeps the gather (the exact direct NS)."""
+    s, long = sorted(int(d) for d in full_shape[:2])
+    gram = tp_gram(s, tp_size, restarts).total
+    return gram < tp_update(s * long, tp_size).total
+
+
+@dataclass(frozen=True)
+class TPDecision:
+    """`tp_decision`: a matrix's path, why, and (for a matrix that could take the Gram) both paths' fp32 bytes per
+    TP rank of its DP owner and step (0 where they do not apply)."""
+
+    path: TPPath
+    reason: str
+    gram_bytes: float = 0.0
+    gather_bytes: float = 0.0
+
+
+def tp_decision(
+    full_shape: Sequence[int],
+    local_shape: Sequence[int],
+    shard_dim: int | None,
+    head_blocks: tuple[int, int] | None,
+    *,
+    distributed_gram: bool,
+    policy: str = "beneficial",
+    restarts: Sequence[int] | None = None,
+) -> TPDecision:
+    """How a matrix's Newton-Schulz runs, and why (`tp_path` is its `path`):
+
+    - "local": not TP-sharded, or its TP shards hold whole blocks (per-head Muon, experts): each rank its own;
+    - "gram": `distributed_gram` on, the whole matrix (no blocks) TP-split on `gram_split_dim`, and the `policy`
+      (TP_GRAM_POLICIES) takes it: "always", or "beneficial" where `gram_is_beneficial` (`restarts`, the Gram NS's
+      restarts, dmuon.gram_restarts, then needed: they set how many all-reduces the Gram path issues);
+    - "gather" otherwise: onto the TP owner and back (`tp_update`). "always" falls back to it for a matrix that
+      cannot take the Gram (split on its short side, square split on dim 0, blocked) rather than refuse the run.
+    `head_blocks`: the blocks of `update_blocks`. ValueError for an unknown `policy`."""
+    check_tp_gram_policy(policy)
+    if shard_dim is None:
+        return TPDecision("local", "not TP-sharded")
+    if head_blocks is not None and heads_are_local(local_shape, shard_dim, head_blocks):
+        return TPDecision("local", "its TP shard holds whole blocks")
+    if not distributed_gram:
+        return TPDecision("gather", "tp_distributed_gram off")
+    if head_blocks is not None:
+        return TPDecision("gather", "orthogonalized by blocks (the Gram would be the whole matrix's)")
+    split = gram_split_dim(full_shape)
+    if shard_dim != split:
+        what = "square" if int(full_shape[0]) == int(full_shape[1]) else "short side"
+        return TPDecision("gather", f"TP-split on dim {shard_dim}, {what}: the Gram path needs dim {split} split")
+    if policy == "never":
+        return TPDecision("gather", "policy 'never'")
+    tp_size = int(full_shape[shard_dim]) // int(local_shape[shard_dim])
+    s, long = sorted(int(d) for d in full_shape[:2])
+    gather_bytes = tp_update(s * long, tp_size).total * MASTER_ITEMSIZE
+    if restarts is None:
+        if policy == "always":
+            return TPDecision("gram", "policy 'always'", gather_bytes=gather_bytes)
+        raise ValueError("tp_decision: the 'beneficial' policy needs the Gram restarts (dmuon.gram_restarts)")
+    segments = 1 + len(restarts)
+    gram_bytes = tp_gram(s, tp_size, restarts).total * MASTER_ITEMSIZE
+    if policy == "always":
+        return TPDecision("gram", "policy 'always'", gram_bytes, gather_bytes)
+    if gram_is_beneficial(full_shape, tp_size, restarts):
+        why = f"l/s = {long / s:.3g} > {segments} Gram all-reduces: the Gram moves less"
+        return TPDecision("gram", why, gram_bytes, gather_bytes)
+    why = f"l/s = {long / s:.3g} <= {segments} Gram all-reduces: the Gram would move more"
+    return TPDecision("gather", why, gram_bytes, gather_bytes)
 
 
 def tp_path(
@@ -196,16 +285,19 @@ def tp_path(
     head_blocks: tuple[int, int] | None,
     *,
     distributed_gram: bool,
+    policy: str = "beneficial",
+    restarts: Sequence[int] | None = None,
 ) -> TPPath:
-    """How a matrix's Newton-Schulz runs: "local" (not TP-sharded, or its TP shards hold whole blocks: each rank
-    its own, no TP traffic), "gram" (`distributed_gram`, whole-matrix NS, the TP-sharded dim the long side: the
-    TP ranks iterate on the s×s Gram, `tp_gram`), else "gather" (onto the TP owner and back, `tp_update`).
-    `head_blocks`: the blocks of `update_blocks`."""
-    if shard_dim is None or (head_blocks is not None and heads_are_local(local_shape, shard_dim, head_blocks)):
-        return "local"
-    if distributed_gram and head_blocks is None and gram_is_beneficial(full_shape, shard_dim):
-        return "gram"
-    return "gather"
+    """`tp_decision`'s path: "local", "gram" or "gather" (what dmuon.Muon and the planner follow)."""
+    return tp_decision(
+        full_shape,
+        local_shape,
+        shard_dim,
+        head_blocks,
+        distributed_gram=distributed_gram,
+        policy=policy,
+        restarts=restarts,
+    ).path
 
 
 # ------------------------------------------------------------------------------------------- a model's matrices
@@ -242,10 +334,23 @@ class Matrix:
     def ns_flops(self, ns_steps: int = 5) -> float:
         return matrix_ns_flops(self.full_shape, self.head_blocks, ns_steps)
 
-    def tp_path(self, distributed_gram: bool = False) -> TPPath:
-        return tp_path(
-            self.full_shape, self.local_shape, self.shard_dim, self.head_blocks, distributed_gram=distributed_gram
+    def tp_decision(
+        self, distributed_gram: bool = False, policy: str = "beneficial", restarts: Sequence[int] | None = None
+    ) -> TPDecision:
+        return tp_decision(
+            self.full_shape,
+            self.local_shape,
+            self.shard_dim,
+            self.head_blocks,
+            distributed_gram=distributed_gram,
+            policy=policy,
+            restarts=restarts,
         )
+
+    def tp_path(
+        self, distributed_gram: bool = False, policy: str = "beneficial", restarts: Sequence[int] | None = None
+    ) -> TPPath:
+        return self.tp_decision(distributed_gram, policy, restarts).path
 
 
 __all__ = [
@@ -253,12 +358,16 @@ __all__ = [
     "EXPERT_BLOCKS",
     "KINDS",
     "MASTER_ITEMSIZE",
+    "TP_GRAM_POLICIES",
     "Matrix",
+    "TPDecision",
     "TPPath",
     "Traffic",
     "block_shape",
+    "check_tp_gram_policy",
     "collective_elements",
     "gram_is_beneficial",
+    "gram_split_dim",
     "heads_are_local",
     "itemsize",
     "matrix_ns_cost",
@@ -268,6 +377,7 @@ __all__ = [
     "num_blocks",
     "replicate_axis",
     "shard_axis",
+    "tp_decision",
     "tp_gram",
     "tp_path",
     "tp_update",

@@ -70,6 +70,12 @@ class Muon(torch.optim.Optimizer):
         tp_distributed_gram: with tensor parallelism, iterate NS on the s×s Gram matrix across the TP ranks instead
             of gathering each full matrix on its TP owner (default False); worth it for wide TP-sharded matrices
             whose gather dominates (docs/dmuon.md).
+        tp_distributed_gram_policy: with `tp_distributed_gram`, which TP matrices that can take the Gram path (the
+            whole matrix TP-split on its long side; a square one on dim 1) take it, decided per matrix once:
+            "beneficial" (default) those whose Gram all-reduces move fewer bytes than gathering and scattering the
+            full update, i.e. long side > (1 + Gram restarts of `ns_coefficients`/`ns_steps`) x short side;
+            "always" every one (the others keep the gather); "never" none (`costs.tp_decision`). Another value
+            raises ValueError.
         **muon_options: any `MuonOptions` field by name, overriding `options` (the fields' docstrings are the full
             documentation): `lr` (1e-3), `momentum` (0.95), `nesterov` (True), `weight_decay` (0.1), `ns_steps`
             (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
@@ -93,6 +99,7 @@ class Muon(torch.optim.Optimizer):
         param_groups: Sequence[dict[str, Any]] | None = None,
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
+        tp_distributed_gram_policy: str = "beneficial",
         **muon_options: Any,
     ):
         self.options = MuonOptions.of(options, **muon_options)
@@ -108,6 +115,7 @@ class Muon(torch.optim.Optimizer):
         self._state = state
         self.replicate_async = replicate_async
         self.tp_distributed_gram = tp_distributed_gram
+        self.tp_distributed_gram_policy = _tp.check_gram_policy(tp_distributed_gram_policy)
         self._head_blocks = _active_head_blocks(state, self.options)
         # the matrices whose NS needs no TP communication: whole ones, and TP shards that hold whole head blocks
         self._local_ns = {
@@ -212,7 +220,10 @@ class Muon(torch.optim.Optimizer):
                     continue
                 update = self._momentum(dp, opts)
                 blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
-                if _tp.update_path(dp, blocks, self.tp_distributed_gram) == "gram":
+                if (
+                    _tp.update_path(dp, blocks, self.tp_distributed_gram, self.tp_distributed_gram_policy, self.options)
+                    == "gram"
+                ):
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
                     with trace.phase(trace.NEWTON_SCHULZ):
                         ortho = self._orthogonalize([update], opts, dp)[0]

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import costs, trace
 from .comm import STREAM_OF, CommLedger, Work
+from .newton_schulz import gram_restarts, resolve_coefficients
+from .options import MuonOptions
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,39 @@ def heads_are_local(dp, head_blocks: tuple[int, int]) -> bool:
     return costs.heads_are_local(dp._orig_size, _shard_dim(dp), head_blocks)
 
 
-def update_path(dp, head_blocks: tuple[int, int] | None, distributed_gram: bool) -> costs.TPPath:
-    """`costs.tp_path` of a dedicated param: "local", "gram" or "gather"."""
-    return costs.tp_path(dp.full_shape, dp._orig_size, _shard_dim(dp), head_blocks, distributed_gram=distributed_gram)
+def check_gram_policy(policy: object) -> str:
+    """`costs.check_tp_gram_policy`: `policy` when it is a `tp_distributed_gram_policy` value, else ValueError."""
+    return costs.check_tp_gram_policy(policy)
+
+
+def gram_restarts_of(options) -> tuple[int, ...]:
+    """The Gram NS restarts of a `MuonOptions`' ns_coefficients and ns_steps (how many all-reduces the Gram path
+    issues: one more than these)."""
+    return gram_restarts(resolve_coefficients(options.ns_coefficients, options.ns_steps))
+
+
+def update_decision(
+    dp, head_blocks: tuple[int, int] | None, distributed_gram: bool, policy: str = "beneficial", options=None
+) -> costs.TPDecision:
+    """`costs.tp_decision` of a dedicated param under `tp_distributed_gram_policy` `policy`, its Gram restarts
+    those of `options` (a `MuonOptions`, the optimizer's: default `MuonOptions()`)."""
+    options = MuonOptions() if options is None else options
+    return costs.tp_decision(
+        dp.full_shape,
+        dp._orig_size,
+        _shard_dim(dp),
+        head_blocks,
+        distributed_gram=distributed_gram,
+        policy=policy,
+        restarts=gram_restarts_of(options),
+    )
+
+
+def update_path(
+    dp, head_blocks: tuple[int, int] | None, distributed_gram: bool, policy: str = "beneficial", options=None
+) -> costs.TPPath:
+    """`update_decision`'s path of a dedicated param: "local", "gram" or "gather"."""
+    return update_decision(dp, head_blocks, distributed_gram, policy, options).path
 
 
 def all_reduce_gram(dp, ledger: CommLedger, gram: torch.Tensor) -> torch.Tensor:

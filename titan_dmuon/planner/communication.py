@@ -45,6 +45,7 @@ class CommSettings:
     tp_distributed_gram: bool  # optimizer.dmuon.tp_distributed_gram: TP matrices may take the "gram" path
     gram_restarts: tuple[int, ...]  # the Gram NS restarts (one more Gram all-reduce each)
     fsdp_reshard_after_forward: str  # parallelism.fsdp_reshard_after_forward
+    tp_distributed_gram_policy: str = "beneficial"  # optimizer.dmuon.tp_distributed_gram_policy: which of them do
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> CommSettings:
@@ -53,7 +54,12 @@ class CommSettings:
             tp_distributed_gram=cfg.optimizer.dmuon.tp_distributed_gram,
             gram_restarts=tuple(dmuon.gram_restarts(dmuon.resolve_coefficients(mc.ns_coefficients, mc.ns_steps))),
             fsdp_reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            tp_distributed_gram_policy=cfg.optimizer.dmuon.tp_distributed_gram_policy,
         )
+
+    def tp_decision(self, m: costs.Matrix) -> costs.TPDecision:
+        """A dense matrix's TP path and why: `costs.tp_decision`, the rule dmuon.Muon follows."""
+        return m.tp_decision(self.tp_distributed_gram, self.tp_distributed_gram_policy, self.gram_restarts)
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ def dmuon_ledger(placement: Placement, settings: CommSettings) -> tuple[dict[str
         column = col_of == m.owner_shard  # the ranks of its owner column
         tp = costs.Traffic()
         if not m.expert:  # an EP shard holds whole experts: NS where it lives, no TP traffic
-            path = m.tp_path(settings.tp_distributed_gram)
+            path = settings.tp_decision(m).path
             if path == "gram":
                 tp = costs.tp_gram(min(m.full_shape), m.tp_size, settings.gram_restarts)
             elif path == "gather":
@@ -227,7 +233,16 @@ def bytes_per_step(placement: Placement, settings: CommSettings) -> dict[str, An
         "naive_fsdp2_muon_bytes": naive,
         "fsdp2_adamw_bytes": adamw,
         "other_params_fsdp2_bytes": summary(fsdp2_other_params(placement, settings)),
+        # each TP-sharded dense matrix's path, as dmuon.Muon decides it (the tp_* bytes above follow it)
+        "tp_paths": {m.fqn: settings.tp_decision(m).path for m in placement.matrices if tp_sharded(m)},
+        "tp_distributed_gram": settings.tp_distributed_gram,
+        "tp_distributed_gram_policy": settings.tp_distributed_gram_policy,
     }
+
+
+def tp_sharded(m: costs.Matrix) -> bool:
+    """A dense matrix split over the TP ranks (an expert stack's EP shard holds whole experts: no TP path)."""
+    return not m.expert and m.shard_dim is not None
 
 
 # ------------------------------------------------------------------------------------------------ MoE layers

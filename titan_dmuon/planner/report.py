@@ -170,6 +170,14 @@ def format_plan(p: dict[str, Any]) -> str:
             continue
         lines.append(_row(kind, s, bscale, bunit))
     lines.append(_row("DMuon total", comm["dmuon_total_bytes"], bscale, bunit))
+    if comm.get("tp_paths"):
+        paths = list(comm["tp_paths"].values())
+        lines.append(
+            f"  TP paths (tp_distributed_gram={comm['tp_distributed_gram']}, policy "
+            f"{comm['tp_distributed_gram_policy']!r}): "
+            + ", ".join(f"{path} {paths.count(path)}" for path in ("gram", "gather", "local") if path in paths)
+            + " matrices (the start-up log prints each one's and why)"
+        )
     ok = all(
         np.allclose(comm["dmuon_elements"][k]["per_rank"], fe[f]["per_rank"], rtol=1e-12, atol=0)
         for k, f in FORMULA_OF_KIND.items()

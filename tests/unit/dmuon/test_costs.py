@@ -130,6 +130,10 @@ def test_an_expert_stack_costs_its_experts_batched_ns() -> None:
     assert costs.update_blocks((24, 16), (0, 8)) == (0, 8) and costs.update_blocks((24, 16), None) is None
 
 
+PE = (2,)  # Polar Express, 5 steps: one restart, two Gram all-reduces per NS
+MUON = (2, 4)  # "muon", 5 steps: three
+
+
 @pytest.mark.parametrize(
     "full,local,shard_dim,blocks,gram,path",
     [
@@ -138,16 +142,86 @@ def test_an_expert_stack_costs_its_experts_batched_ns() -> None:
         ((64, 64), (64, 32), 1, (1, 16), False, "local"),  # wo by whole head columns
         ((64, 64), (32, 64), 0, (0, 24), False, "gather"),  # 32 rows per shard do not hold whole 24-row heads
         ((64, 64), (64, 32), 1, (0, 16), False, "gather"),  # heads along the other dim: a head spans the shards
-        ((128, 64), (64, 64), 0, None, True, "gram"),  # the sharded dim is the long side: Gram pays
-        ((128, 64), (64, 64), 0, None, False, "gather"),  # ... when asked for
+        ((192, 64), (96, 64), 0, None, True, "gram"),  # the long side sharded, l/s = 3 > 2 segments: Gram pays
+        ((192, 64), (96, 64), 0, None, False, "gather"),  # ... when asked for
         ((64, 128), (32, 128), 0, None, True, "gather"),  # the short side sharded: gather
-        ((64, 64), (32, 64), 0, None, True, "gather"),  # square: no long side
+        ((64, 64), (32, 64), 0, None, True, "gather"),  # square: Gram's payload no smaller
         ((128, 64), (64, 64), 0, (0, 16), True, "local"),  # per-head with whole heads beats the Gram
         ((8, 16, 32), (4, 16, 32), 0, costs.EXPERT_BLOCKS, False, "local"),  # an expert stack's EP shard
     ],
 )
 def test_tp_path(full, local, shard_dim, blocks, gram, path) -> None:
-    assert costs.tp_path(full, local, shard_dim, blocks, distributed_gram=gram) == path
+    assert costs.tp_path(full, local, shard_dim, blocks, distributed_gram=gram, restarts=PE) == path
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize(
+    "full,shard_dim,restarts,beneficial",
+    [
+        ((14336, 4096), 0, PE, True),  # Llama-3 8B w1/w3 (column-parallel): l/s = 3.5 > 2 segments
+        ((4096, 14336), 1, PE, True),  # w2 (row-parallel)
+        ((14336, 4096), 0, MUON, True),  # 3.5 > 3 segments
+        ((4096, 4096), 1, PE, False),  # wo (row-parallel, square): 2 s² of Gram against s² gathered
+        ((256, 512), 1, PE, False),  # l/s = 2 = 2 segments: a tie keeps the gather
+        ((256, 768), 1, PE, True),  # l/s = 3 > 2
+        ((256, 768), 1, MUON, False),  # 3 = 3 segments
+        ((256, 1024), 1, MUON, True),  # 4 > 3
+        ((1024, 256), 0, (), True),  # no restart, l/s = 4 > 1
+    ],
+)
+def test_beneficial_is_the_smaller_payload(full, shard_dim, restarts, beneficial, tp) -> None:
+    """ "beneficial" takes the Gram where its all-reduces (`tp_gram`: one s×s fp32 all-reduce per restart segment,
+    2(T-1)/T of it per rank) move fewer bytes than gathering and scattering the full update (`tp_update`: (T-1)/T of
+    m×n each), the formula: (1 + restarts)·2(T-1)/T·s²·4 < 2(T-1)/T·m·n·4, i.e. l > (1 + restarts)·s at any T;
+    "always" takes it there too, "never" never; the decision carries both byte counts."""
+    local = list(full)
+    local[shard_dim] //= tp
+    s, long = sorted(full)
+    f = (tp - 1) / tp
+    gram_bytes, gather_bytes = (1 + len(restarts)) * 2 * f * s * s * 4, 2 * f * s * long * 4
+    assert costs.gram_is_beneficial(full, tp, restarts) is beneficial is (gram_bytes < gather_bytes)
+    for policy, path in (("beneficial", "gram" if beneficial else "gather"), ("always", "gram"), ("never", "gather")):
+        d = costs.tp_decision(full, local, shard_dim, None, distributed_gram=True, policy=policy, restarts=restarts)
+        assert d.path == path, (policy, d)
+        if policy != "never":
+            assert d.gram_bytes == pytest.approx(gram_bytes) and d.gather_bytes == pytest.approx(gather_bytes)
+        off = costs.tp_decision(full, local, shard_dim, None, distributed_gram=False, policy=policy, restarts=restarts)
+        assert off.path == "gather"  # tp_distributed_gram off: the policy is not consulted
+
+
+@pytest.mark.parametrize(
+    "full,local,shard_dim,blocks,why",
+    [
+        ((1024, 4096), (512, 4096), 0, None, "short side"),  # Llama-3 8B wk/wv (column-parallel): dim 0 is short
+        ((4096, 4096), (2048, 4096), 0, None, "square"),  # wq: a square matrix's Gram path splits dim 1
+        ((256, 1024), (256, 512), 1, (1, 100), "blocks"),  # per-head blocks that straddle the shards
+    ],
+)
+def test_always_falls_back_to_the_gather_where_the_gram_cannot_run(full, local, shard_dim, blocks, why) -> None:
+    """ "always" takes the Gram wherever the identity X Xᵀ = Σ X_i X_iᵀ holds (the whole matrix, TP-split on its long
+    side; a square one on dim 1, which NS iterates along); elsewhere it keeps the gather (a Llama has such matrices
+    in every block: refusing them would make "always" unusable) and says why."""
+    d = costs.tp_decision(full, local, shard_dim, blocks, distributed_gram=True, policy="always", restarts=PE)
+    assert d.path == "gather" and why in d.reason, d
+    assert costs.gram_split_dim((4096, 4096)) == 1 and costs.gram_split_dim((14336, 4096)) == 0
+    square_rowwise = costs.tp_decision((64, 64), (64, 32), 1, None, distributed_gram=True, policy="always", restarts=PE)
+    assert square_rowwise.path == "gram"  # wo: possible, though not beneficial
+    beneficial = costs.tp_decision((64, 64), (64, 32), 1, None, distributed_gram=True, restarts=PE)
+    assert beneficial.path == "gather" and "l/s = 1" in beneficial.reason
+
+
+def test_an_unknown_policy_is_refused_naming_the_choices() -> None:
+    assert costs.TP_GRAM_POLICIES == ("beneficial", "always", "never")
+    with pytest.raises(
+        ValueError,
+        match=r"tp_distributed_gram_policy must be one of 'beneficial', 'always', 'never', "
+        r"got 'sometimes'",
+    ):
+        costs.tp_decision((128, 64), (64, 64), 0, None, distributed_gram=True, policy="sometimes", restarts=PE)
+    with pytest.raises(ValueError, match="needs the Gram restarts"):  # "beneficial" cannot count the Gram's bytes
+        costs.tp_path((128, 64), (64, 64), 0, None, distributed_gram=True)
+    assert costs.tp_path((128, 64), (64, 64), 0, None, distributed_gram=True, policy="always") == "gram"
+    assert costs.tp_path((128, 64), (64, 64), 0, None, distributed_gram=False) == "gather"
 
 
 def test_matrices_reads_the_live_layout(one_rank) -> None:

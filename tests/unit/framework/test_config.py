@@ -35,6 +35,7 @@ def test_defaults():
     assert (m.ns_coefficients, m.eps, m.adjust_lr_fn, m.ns_dtype) == ("polar_express", 1e-7, "match_rms_adamw", "")
     assert (a.lr, a.betas, a.eps, a.weight_decay) == (1e-3, (0.9, 0.95), 1e-8, 0.01)
     assert (d.reshard_after_forward, d.replicate_async, d.tp_distributed_gram) == (True, True, False)
+    assert d.tp_distributed_gram_policy == "beneficial"
     assert cfg.lr_scheduler.decay_ratio is None
     t = cfg.training
     assert (t.max_norm, t.gradient_accumulation_steps, t.seed, t.dataset, t.dataset_field) == (
@@ -193,6 +194,30 @@ def test_invalid_choice(tmp_path):
     cfg = JobConfig()
     cfg.optimizer.muon.adjust_lr_fn = "rms"
     with pytest.raises(ConfigError, match=r"optimizer\.muon\.adjust_lr_fn.*'match_rms_adamw', 'original'"):
+        validate_config(cfg)
+
+
+def test_tp_distributed_gram_policy(tmp_path):
+    """[optimizer.dmuon] tp_distributed_gram_policy: one of the three (the TOML, a flag), else a ConfigError naming
+    the key, the value and the choices."""
+    toml = '[optimizer.dmuon]\ntp_distributed_gram = true\ntp_distributed_gram_policy = "always"\n'
+    d = load_toml(write(tmp_path, toml)).optimizer.dmuon
+    assert (d.tp_distributed_gram, d.tp_distributed_gram_policy) == (True, "always")
+    assert (
+        parse_args(["--optimizer.dmuon.tp_distributed_gram_policy", "never"]).optimizer.dmuon.tp_distributed_gram_policy
+        == "never"
+    )
+    path = write(tmp_path, '[optimizer.dmuon]\ntp_distributed_gram_policy = "sometimes"\n', "bad.toml")
+    with pytest.raises(ConfigError) as e:
+        load_toml(path)
+    msg = str(e.value)
+    assert "optimizer.dmuon.tp_distributed_gram_policy" in msg and "'sometimes'" in msg
+    assert "'beneficial', 'always', 'never'" in msg
+    with pytest.raises(ConfigError, match=r"tp_distributed_gram_policy.*'beneficial', 'always', 'never'.*'rarely'"):
+        parse_args(["--optimizer.dmuon.tp_distributed_gram_policy", "rarely"])
+    cfg = JobConfig()  # validate_config catches what Python code set directly
+    cfg.optimizer.dmuon.tp_distributed_gram_policy = "rarely"
+    with pytest.raises(ConfigError, match=r"optimizer\.dmuon\.tp_distributed_gram_policy.*'beneficial'"):
         validate_config(cfg)
 
 

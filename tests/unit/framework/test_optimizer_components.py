@@ -195,3 +195,26 @@ def test_qk_clip_on_a_model_without_attention_is_a_config_error(one_rank) -> Non
     cfg.model.name = "tiny_mlp"
     with pytest.raises(ConfigError, match=r"qk_clip_tau.*tiny_mlp/tinymodel has no attention layer"):
         build_tiny(cfg, one_rank)
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_tp_distributed_gram_policy_reaches_dmuon(one_rank, policy) -> None:
+    """[optimizer.dmuon] tp_distributed_gram(_policy) reach dmuon.Muon; without TP no matrix has a TP path (the
+    start-up log prints none); dmuon.Muon refuses a value outside the three, naming it and the choices."""
+    from titan_dmuon import dmuon
+
+    cfg = tiny_cfg("dmuon")
+    cfg.optimizer.dmuon.tp_distributed_gram = True
+    cfg.optimizer.dmuon.tp_distributed_gram_policy = policy
+    model, component = build_tiny(cfg, one_rank)
+    opt = component.optimizer
+    assert (opt.tp_distributed_gram, opt.tp_distributed_gram_policy) == (True, policy)
+    assert dmuon.tp_paths(model, opt) == [] and dmuon.describe_tp_paths(model, opt) == ""
+    assert dmuon.Muon(model).tp_distributed_gram_policy == "beneficial"  # the library's default
+    with pytest.raises(
+        ValueError,
+        match=r"tp_distributed_gram_policy must be one of 'beneficial', 'always', 'never', "
+        r"got 'sometimes'",
+    ):
+        dmuon.Muon(model, tp_distributed_gram=True, tp_distributed_gram_policy="sometimes")
+    component.close()

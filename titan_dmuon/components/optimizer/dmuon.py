@@ -77,10 +77,14 @@ class DMuon(OptimizerComponent):
             **muon_options(self.cfg),
             replicate_async=d.replicate_async,
             tp_distributed_gram=d.tp_distributed_gram,
+            tp_distributed_gram_policy=d.tp_distributed_gram_policy,
         )
         opt = self.optimizer  # what NS will run as, once at start-up (the kernel "auto" resolves to, the dtype)
         device = next(self.model.parameters()).device
         logger.info("DMuon: %s", dmuon.get_ns_backend(device, opt.ns_dtype, opt.kernel, opt.ns_formulation))
+        tp_paths = dmuon.describe_tp_paths(self.model, opt)  # each TP matrix's path (local/gram/gather) and why
+        if tp_paths:
+            logger.info("%s", tp_paths)
         return self.optimizer
 
     def no_sync(self):
