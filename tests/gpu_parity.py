@@ -8,6 +8,7 @@ lines for the layouts N is too small for, exit 1 if any failed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -81,6 +82,14 @@ def tp(layout, shape):
 
 def main(n):
     print(f"backend {backend_name()}, up to {n} rank(s), {STEPS} steps, norm-wise rtol {parity_rtol():g}")
+    # TORCH_CUDA_SANITIZER is read when torch is imported (each rank's too: they inherit the environment); it
+    # checks CUDA streams, so on CPU it has nothing to check. A race it finds raises in the rank: that run FAILs.
+    sanitizer = "TORCH_CUDA_SANITIZER" in os.environ
+    if backend_name() == "nccl":
+        slow = os.environ.get("DMUON_DEBUG_SLOW_STREAMS_CYCLES", "") or "0"
+        print(f"CUDA sanitizer {'on' if sanitizer else 'off'}; side streams slowed by {slow} GPU cycles per entry")
+    else:
+        print("CPU (gloo): no CUDA stream to sanitize or slow; the same parity runs without the sanitizer")
     run("1D FSDP2 Z3 (test_dmuon_fsdp)", n, harness("fsdp", (n,), z3=True))
     run("1D FSDP2 Z2 (test_dmuon_fsdp)", n, harness("fsdp", (n,), z3=False))
     if n >= 2:
@@ -93,6 +102,8 @@ def main(n):
         run(f"HSDP 2 x {n // 2}, async publish (test_dmuon_hsdp_ddp)", n // 2 * 2, harness("hsdp", (2, n // 2)))
     else:
         print("SKIP HSDP (needs >= 4 GPUs: replicate x shard = 2 x 2)")
+    if os.environ.get("GPU_CHECK_PLANTED"):  # scripts/gpu_check.sh GPU_CHECK_PLANT_FAIL=parity
+        failed.append("planted failure (GPU_CHECK_PLANTED)")
     print(f"parity: {'PASS' if not failed else 'FAIL: ' + '; '.join(failed)}")
     return 1 if failed else 0
 
