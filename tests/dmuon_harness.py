@@ -159,13 +159,17 @@ def dmuon_state(model):
 
 def owner_momentum(model, opt) -> dict[str, tuple]:
     """This rank's momentum buffers (the owners' own `opt.state`, no collective, no drain of an async
-    publish): fqn -> (TP shard dim or None, TP rank, TP size, a copy of the (TP-local) buffer)."""
+    publish): fqn -> (TP shard dim or None, TP rank, TP size, a copy of the (TP-local) buffer). A TP matrix whose
+    momentum its TP owner keeps whole (`tp_gather="backward"`) reports it as one whole buffer, from that rank only."""
     out = {}
     for dp in dmuon_state(model).dparams:
         st = opt.state.get(dp.param, {})
         if dp.is_owner and "momentum_buffer" in st:
-            size = dp.tp_group.size() if dp.tp_group is not None else 1
-            out[dp.fqn] = (dp.shard_dim, dp.tp_rank, size, st["momentum_buffer"].detach().clone())
+            buf = st["momentum_buffer"].detach().clone()
+            if dp.tp_group is None or tuple(buf.shape) == tuple(dp.full_shape) != tuple(dp._orig_size):
+                out[dp.fqn] = (None, 0, 1, buf)
+            else:
+                out[dp.fqn] = (dp.shard_dim, dp.tp_rank, dp.tp_group.size(), buf)
     return out
 
 

@@ -16,7 +16,10 @@ made: list[weakref.ref] = []
 
 
 def _report() -> None:
-    print(f"DMuon groups alive after its exit hook: {sum(r() is not None for r in made)} of {len(made)}")
+    # one write of the whole line: the two ranks share torchrun's stdout, and a print's text and newline, written
+    # apart, interleave there under load
+    sys.stdout.write(f"DMuon groups alive after its exit hook: {sum(r() is not None for r in made)} of {len(made)}\n")
+    sys.stdout.flush()
 
 
 atexit.register(_report)

@@ -126,10 +126,10 @@ def _pieces(model) -> dict[tuple, torch.Tensor]:
 
     st = model._dmuon_state
     out = {}
-    for dp in st.dparams:
-        if dp.is_owner and dp._reduced_grad is not None:
+    for dp in st.dparams:  # `reduced_grad()`: with the clip factor a TP gather in flight kept applied
+        if dp.is_owner and (g := dp.reduced_grad()) is not None:
             key = ("dedicated", dp.fqn, st.tp_rank) if isinstance(dp.param, DTensor) else ("whole", dp.fqn)
-            out[key] = dp._reduced_grad.detach().float().cpu().clone()
+            out[key] = g.detach().float().cpu().clone()
     for name, p in model.named_parameters():
         if p not in st.by_param and p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

@@ -37,7 +37,7 @@ EXPECTED = {
     ("group.py", "reduce"): ("reduce", {"_start_stage2"}),
     ("replicate_axis.py", "reduce"): ("replicate_broadcast", {"_finish_stage2"}),
     ("replicate_axis.py", "broadcast"): ("replicate_broadcast", {"wait_publish"}),
-    ("tp.py", "gather"): ("reduce", {"full_update"}),
+    ("tp.py", "gather"): ("reduce", {"settle"}),
     ("tp.py", "scatter"): ("replicate_broadcast", {"wait"}),
 }
 # Where the waiting stream is not (only) the compute stream: the replicate-axis stream waits for stage 1 before
@@ -303,7 +303,7 @@ def _install_checkpoints(model, rec: Recorder) -> None:
         g.reduce_grads = checked_reduce
     apply = muon_mod._apply_update
 
-    def checked_apply(dp, ortho, opts):
+    def checked_apply(dp, ortho, opts, *blocks):
         rec.need_visible([dp._owned_data, ortho], f"the update of {dp.fqn}")
         seen = rec.visible.setdefault("compute", set())
         for op in rec.ops:  # the reduced grad was accumulated from every reduce: complete on compute by now
@@ -311,7 +311,7 @@ def _install_checkpoints(model, rec: Recorder) -> None:
                 rec.violations.append(
                     f"the update of {dp.fqn}: {op.file} reduce (op {op.id}) is not complete on the compute stream"
                 )
-        return apply(dp, ortho, opts)
+        return apply(dp, ortho, opts, *blocks)
 
     muon_mod._apply_update = checked_apply
 

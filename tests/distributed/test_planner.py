@@ -42,6 +42,11 @@ LAYOUTS = {
         *("--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"),
         *("--optimizer.muon.per_head", "true"),
     ],
+    # the distributed Gram on the MLP (gram: momentum on the shards), the attention gathered from the backward
+    # (momentum whole on each matrix's TP owner): per-rank momentum and gradient bytes follow the TP owners
+    "dp2xtp2-gram": [
+        *("--parallelism.tensor_parallel_degree", "2", "--optimizer.dmuon.tp_distributed_gram", "true"),
+    ],
 }
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]
 MOE_LAYOUTS = {
@@ -99,8 +104,12 @@ def measure(rank: int, world_size: int, argv: list[str]) -> dict:
         step = opt.step
 
         def step_and_record(*args, **kwargs):
-            grads["gradients"] = sum(nbytes(p.grad) for p in others if p.grad is not None) + sum(
-                nbytes(dp._reduced_grad) for dp in dps if dp._reduced_grad is not None
+            # FSDP2's grads, the owners' reduced grads, and the TP owners' grads gathered from the backward
+            gathered = [g for dp in dps if dp._tp_gather is not None for g in dp._tp_gather.gathered or ()]
+            grads["gradients"] = (
+                sum(nbytes(p.grad) for p in others if p.grad is not None)
+                + sum(nbytes(dp._reduced_grad) for dp in dps if dp._reduced_grad is not None)
+                + sum(nbytes(g) for g in gathered)
             )
             return step(*args, **kwargs)
 

@@ -228,6 +228,12 @@ class DMuonConfig:
     for "muon"); "always" every one; "never" none (docs/dmuon.md, "tp_distributed_gram"). The start-up log prints
     each matrix's path and why.
     """
+    tp_gather: Literal["backward", "step"] = "backward"
+    """With tensor parallelism, when a TP matrix is gathered onto its TP owner for Newton-Schulz: "backward" gathers
+    its reduced gradient from the backward that completes it (beside the rest of the backward), with its momentum
+    kept whole on the TP owner; "step" gathers the momentum-applied update inside the optimizer step, with the
+    momentum on the TP shards (docs/dmuon.md, "The TP gather"). Checkpoints of either load into the other.
+    """
 
 
 @dataclass

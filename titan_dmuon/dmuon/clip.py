@@ -56,13 +56,23 @@ def clip_grad_norm_(
         raise ValueError("dmuon.clip_grad_norm_ supports the L2 norm only")
     state = state_of(model, "clip_grad_norm_")
     model = unwrap(model)
-    owners = [(dp, g) for dp in state.dparams if dp.is_owner and (g := dp.reduced_grad()) is not None]
-    owned = [g for _, g in owners]
+    owners = []
+    for dp in state.dparams:
+        if dp.is_owner:
+            dp.sync_cleared()  # the user's clears; not `reduced_grad()`, which would wait for a gather in flight
+            if dp._reduced_grad is not None:
+                owners.append((dp, dp._reduced_grad))
+    # A grad gathered onto its TP owner from the backward takes its clip factor through the gather, which applies
+    # it to the gathered matrix, and to the shard once the gather no longer reads it (tp.TPUpdate.rescale).
+    gathering = [dp._tp_gather for dp, _ in owners if dp._tp_gather is not None]
+    owned = [g for dp, g in owners if dp._tp_gather is None]
     device = next(model.parameters()).device
     stages = pp_mesh.size() if pp_mesh is not None else 1
     ded_sq = torch.zeros((), dtype=torch.float32, device=device)
     for dp, g in owners:
         sq = g.float().pow(2).sum()
+        if dp._tp_gather is not None and dp._tp_gather.shard_scale is not None:  # clipped, the factor pending
+            sq = sq * dp._tp_gather.shard_scale.to(sq.device).pow(2)
         if dp.shard_dim is None:  # whole in every slice of its stage: the copies of the world's slices
             sq = sq / max(1, dist.get_world_size() // (dp.axes.shard_size * dp.axes.replicate_size * stages))
         ded_sq += sq
@@ -74,6 +84,8 @@ def clip_grad_norm_(
     total = (ded_sq + others_sq).sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     scale_grads_(owned + others, coef)
+    for gather in gathering:
+        gather.rescale(coef)
     return total
 
 

@@ -306,6 +306,12 @@ class DedicatedParamGroup:
                 if dp._grad_seen is not None:
                     dp._grad_seen.add_(gbuf[dp.flag_index])
 
+    def tp_gathers(self) -> list[DedicatedParam]:
+        """The matrices of this group whose reduced grad this rank gathers onto their TP owner once a reduce
+        completes it (`DedicatedParam.tp_full_momentum`, on their DP owner), in group order: the same order on
+        every rank of each TP group."""
+        return [dp for dp in self.params if dp.tp_full_momentum and dp.is_owner]
+
     def end_backward(self) -> None:
         """End of the backward this group entered: forget it (the next backward starts afresh)."""
         self._task = None

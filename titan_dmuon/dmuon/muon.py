@@ -76,6 +76,11 @@ class Muon(torch.optim.Optimizer):
             full update, i.e. long side > (1 + Gram restarts of `ns_coefficients`/`ns_steps`) x short side;
             "always" every one (the others keep the gather); "never" none (`costs.tp_decision`). Another value
             raises ValueError.
+        tp_gather: with tensor parallelism, what a TP matrix's gather onto its TP owner moves, and when.
+            "backward" (default): the reduced gradient, issued from the backward that completes it (on the reduce
+            stream, beside the rest of the backward), with the matrix's momentum kept whole on the TP owner;
+            "step": the momentum-applied update, inside `step()`, with the momentum on the TP shards (the path
+            before the gather moved into the backward; docs/dmuon.md, "The TP gather").
         **muon_options: any `MuonOptions` field by name, overriding `options` (the fields' docstrings are the full
             documentation): `lr` (1e-3), `momentum` (0.95), `nesterov` (True), `weight_decay` (0.1), `ns_steps`
             (5), `ns_coefficients` ("muon"), `eps` (1e-7), `adjust_lr_fn` ("original"), `ns_dtype` (None: bf16 on
@@ -100,6 +105,7 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
         tp_distributed_gram: bool = False,
         tp_distributed_gram_policy: str = "beneficial",
+        tp_gather: str = "backward",
         **muon_options: Any,
     ):
         self.options = MuonOptions.of(options, **muon_options)
@@ -121,6 +127,15 @@ class Muon(torch.optim.Optimizer):
         self._local_ns = {
             dp for dp in state.dparams if _tp.update_path(dp, self._head_blocks.get(dp), False) == "local"
         }
+        if tp_gather not in ("backward", "step"):
+            raise OptionError("tp_gather", f"must be 'backward' or 'step', got {tp_gather!r}")
+        self.tp_gather = tp_gather
+        for dp in state.dparams:  # where each TP matrix's momentum lives, and so what its gather moves
+            dp.drop_tp_gather()
+            path = _tp.update_path(
+                dp, self._head_blocks.get(dp), self.tp_distributed_gram, self.tp_distributed_gram_policy, self.options
+            )
+            dp.tp_full_momentum = tp_gather == "backward" and dp.tp_group is not None and path == "gather"
         muon_defaults = self.options.group_defaults()
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
@@ -176,18 +191,14 @@ class Muon(torch.optim.Optimizer):
             dp.clear_grad(set_to_none)
 
     def _settle_owned_grads(self) -> None:
-        """Before the update: apply the user's grad clears to the owners' reduced grads, and drop the ones no
-        rank had a grad for (torch.optim.Muon skips a param whose grad is None): one host read of the has-grad
-        fractions per step, none when every grad is known to exist."""
-        mine = [dp for dp in self._state.dparams if dp.is_owner and dp.reduced_grad() is not None]
-        unknown = [dp for dp in mine if dp._grad_seen is not None]
-        if not unknown:
-            return
-        seen = torch.stack([dp._grad_seen for dp in unknown]).tolist()
-        for dp, fraction in zip(unknown, seen, strict=True):
-            dp._grad_seen = None
-            if fraction == 0:
-                dp._reduced_grad = None
+        """Before the update: apply the user's grad clears to the owners' reduced grads, and turn each fresh one's
+        has-grad fraction into `_has_grad`, a device flag that skips the matrix's momentum, weight decay and
+        update where no rank had a grad (torch.optim.Muon skips a param whose grad is None): no host read."""
+        for dp in self._state.dparams:
+            if dp.is_owner:
+                dp.sync_cleared()
+                if dp._reduced_grad is not None and dp._grad_seen is not None:
+                    dp._has_grad, dp._grad_seen = dp._grad_seen > 0, None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -218,6 +229,13 @@ class Muon(torch.optim.Optimizer):
                 if dp in self._local_ns:  # momentum + NS below, batched with the same-shape matrices of every group
                     owned.append((gi, dp, opts))
                     continue
+                if dp.tp_full_momentum:  # the grad gathered from the backward (or now, if none was): momentum there
+                    job = dp._tp_gather or _tp.TPUpdate(dp, dp._reduced_grad, st.ledger, st.tp_buffers)
+                    dp._tp_gather = None
+                    # the update may be applied after this step returns (async): snapshot this step's
+                    # hyper-parameters and has-grad flag now, before an lr scheduler or zero_grad changes them
+                    tp_jobs.append((job, dict(opts, has_grad=dp._has_grad)))
+                    continue
                 update = self._momentum(dp, opts)
                 blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
                 if (
@@ -227,14 +245,13 @@ class Muon(torch.optim.Optimizer):
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
                     with trace.phase(trace.NEWTON_SCHULZ):
                         ortho = self._orthogonalize([update], opts, dp)[0]
-                    _apply_update(dp, ortho, opts)
+                    _apply_update(dp, ortho, opts, None, dp._has_grad)
                     self._clip_owned(dp)
                     ns_time += time.perf_counter() - t0
                     ns_calls += int(dp.is_tp_owner)
                 else:  # gather the update shards onto the TP owner (async, all of the step's at once)
-                    # the update may be applied after this step returns (async): snapshot this step's
-                    # hyper-parameters now, before an lr scheduler changes the group
-                    tp_jobs.append((_tp.TPUpdate(dp, update, st.ledger, st.tp_buffers), dict(opts)))
+                    job = _tp.TPUpdate(dp, update, st.ledger, st.tp_buffers)
+                    tp_jobs.append((job, dict(opts, has_grad=dp._has_grad)))
             tp_jobs_of.append(tp_jobs)
         # each group's publish goes out, in group order, as soon as its matrices are updated
         publishes: list[Work] = []
@@ -283,7 +300,7 @@ class Muon(torch.optim.Optimizer):
 
     def _momentum(self, dp, opts: dict) -> torch.Tensor:
         """EMA momentum (+ Nesterov) on this rank's (TP-local) grad: elementwise, so shards suffice."""
-        return momentum_update(dp._reduced_grad, self.state[dp.param], opts)
+        return momentum_update(dp._reduced_grad, self.state[dp.param], opts, dp._has_grad)
 
     def _update_owned(self, owned: list[tuple], done: Callable[[tuple], None]) -> tuple[int, float]:
         """Momentum, NS and the update of this rank's matrices that need no TP communication (whole matrices, and
@@ -294,7 +311,7 @@ class Muon(torch.optim.Optimizer):
 
         def finish(i: int, ortho: torch.Tensor) -> None:
             _, dp, opts = owned[i]
-            _apply_head_update(dp, ortho, opts, blocks[i])
+            _apply_update(dp, ortho, opts, blocks[i], dp._has_grad)
             self._clip_owned(dp)  # before `done` publishes it
             done(owned[i])
 
@@ -308,8 +325,9 @@ class Muon(torch.optim.Optimizer):
         return sum(1 if dp.tp_group is None else int(dp.is_tp_owner) for _, dp, _ in owned), secs
 
     def _orthogonalize_tp(self, jobs: list[tuple]) -> tuple[int, float]:
-        """Wait for the TP gathers; the TP owner orthogonalizes its full matrices (same-shape ones batched; per head
-        block for a per-head matrix) and every rank scatters, in job order (the same on every rank of a TP group).
+        """Wait for the TP gathers; the TP owner applies the momentum to the gathered grads of the matrices whose
+        momentum it keeps whole, orthogonalizes its full matrices (same-shape ones batched; per head block for a
+        per-head matrix) and every rank scatters, in job order (the same on every rank of a TP group).
         Returns (NS calls, seconds)."""
         fulls = [job.full_update() for job, _ in jobs]
         orthos: list[torch.Tensor | None] = [None] * len(jobs)
@@ -331,10 +349,17 @@ class Muon(torch.optim.Optimizer):
             [fulls[i].shape for i in mine],
             [self._head_blocks.get(jobs[i][0].dp) for i in mine],
             [jobs[i][1] for i in mine],
-            lambda k: fulls[mine[k]],
+            lambda k: self._full_update(*jobs[mine[k]], fulls[mine[k]]),
             finish,
         )
         return len(mine), secs
+
+    def _full_update(self, job, opts: dict, full: torch.Tensor) -> torch.Tensor:
+        """On the TP owner: what NS orthogonalizes of a gathered matrix: the gathered update itself, or the
+        momentum (kept whole here) applied to the gathered grad."""
+        if not job.dp.tp_full_momentum:
+            return full
+        return momentum_update(full, self.state[job.dp.param], opts, opts["has_grad"])
 
     def _orthogonalize_blocks(
         self,
@@ -462,15 +487,19 @@ class _InOrder:
             self.next += 1
 
 
-def momentum_update(grad: torch.Tensor, state: dict, opts: dict) -> torch.Tensor:
+def momentum_update(grad: torch.Tensor, state: dict, opts: dict, has_grad: torch.Tensor | None = None) -> torch.Tensor:
     """torch.optim.Muon's momentum on one matrix: the EMA buffer `state["momentum_buffer"]` (created at zero) takes
     `grad`; returns what Newton-Schulz orthogonalizes (the Nesterov look-ahead, or the buffer). `opts`: the param
-    group (its `momentum`, `nesterov`)."""
+    group (its `momentum`, `nesterov`). `has_grad`: a device bool, false where no rank had a grad (the buffer is
+    then left as it is; the update it returns is discarded by the caller)."""
     buf = state.get("momentum_buffer")
     if buf is None:
         buf = state["momentum_buffer"] = torch.zeros_like(grad)
     mu = opts["momentum"]
-    buf.lerp_(grad, 1 - mu)
+    if has_grad is None:
+        buf.lerp_(grad, 1 - mu)
+    else:  # no rank had a grad (device flag): the buffer stays as it is (no host read to skip it)
+        buf.copy_(torch.where(has_grad, buf.lerp(grad, 1 - mu), buf))
     return grad.lerp(buf, mu) if opts["nesterov"] else buf
 
 
@@ -518,34 +547,33 @@ def adamw_step(group: dict, states) -> None:
     )
 
 
-def _apply_update(dp, ortho: torch.Tensor, opts: dict) -> None:
-    """Decoupled weight decay, then the lr-scaled orthogonal step (lr scaled by the full logical shape).
+def _apply_update(
+    dp, ortho: torch.Tensor, opts: dict, head_blocks: tuple[int, int] | None, has_grad: torch.Tensor | None
+) -> None:
+    """Decoupled weight decay, then the lr-scaled orthogonal step, the lr scaled by the full logical shape (for a
+    matrix orthogonalized per head block, per-head Muon, by one block's shape, as torch.optim.Muon scales a
+    parameter of that shape). Where no rank had a grad (`has_grad`, the step's `dp._has_grad`, false on the
+    device) the matrix is left as it is, as torch.optim.Muon skips a param without a grad; where one did, the
+    arithmetic is the same.
 
     A tall matrix's NS result is a transposed view: it is made contiguous (a blocked transpose copy) before the
     add, since an elementwise add that reads it transposed is ~5x slower on CPU; the values are the same."""
     data = dp._owned_data
+    shape = dp.full_shape if head_blocks is None else block_shape(dp.full_shape, head_blocks)
+    update = ortho.contiguous().to(data.dtype)
+    if has_grad is not None:
+        update = update * has_grad
     if opts["weight_decay"]:
-        data.mul_(1 - opts["lr"] * opts["weight_decay"])
-    data.add_(ortho.contiguous().to(data.dtype), alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], dp.full_shape))
-
-
-def _apply_head_update(dp, ortho: torch.Tensor, opts: dict, head_blocks: tuple[int, int] | None) -> None:
-    """`_apply_update`, or for a matrix orthogonalized per head block (per-head Muon) the same step with the lr
-    scaled by one block's shape, as torch.optim.Muon scales a parameter of that shape."""
-    if head_blocks is None:
-        return _apply_update(dp, ortho, opts)
-    data = dp._owned_data
-    if opts["weight_decay"]:
-        data.mul_(1 - opts["lr"] * opts["weight_decay"])
-    lr = adjusted_lr(opts["lr"], opts["adjust_lr_fn"], block_shape(dp.full_shape, head_blocks))
-    data.add_(ortho.contiguous().to(data.dtype), alpha=-lr)
+        decay = 1 - opts["lr"] * opts["weight_decay"]
+        data.mul_(decay if has_grad is None else torch.where(has_grad, decay, 1.0))
+    data.add_(update, alpha=-adjusted_lr(opts["lr"], opts["adjust_lr_fn"], shape))
 
 
 def _finish_tp(pgroup, tp_jobs, tp_column, head_blocks, clip: Callable) -> Work:
     """Wait for the TP scatters, apply the shards' updates (per head block's lr for a per-head matrix) and `clip`
     them (QK-clip), then publish the column's TP shards over the replicate axis."""
     for job, opts in tp_jobs:
-        _apply_head_update(job.dp, job.wait(), opts, head_blocks.get(job.dp))
+        _apply_update(job.dp, job.wait(), opts, head_blocks.get(job.dp), opts["has_grad"])
         clip(job.dp)
     return _replicate.publish(pgroup, tp_column)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,20 @@ class DedicatedParam:
     tp_rank: int = 0
     tp_owner: int = 0  # TP rank that runs this matrix's full NS
     _orig_size: torch.Size = field(default_factory=lambda: torch.Size())  # local (TP shard) shape
+    # Set by dmuon.Muon (tp_gather="backward", the matrix on the "gather" path): the momentum is kept whole on the
+    # TP owner, and the reduced grad is gathered there from the backward that completes it (`_tp_gather`, the
+    # gather in flight or done, consumed by the step; dropped, after waiting for it, when the grad is cleared).
+    tp_full_momentum: bool = False
+    _tp_gather: Any = None
     # The packed grad buffer (group.py): where this matrix's grad and its has-grad flag go.
     grad_offset: int = 0
     flag_index: int = 0
     # On the owner, with a fresh `_reduced_grad`: the fraction of ranks that had a grad (device scalar; 0 means
     # none had one, and the step skips the matrix). None once the grad is known to exist.
     _grad_seen: torch.Tensor | None = None
+    # Set from it by the step (a device bool, no host read): false where no rank had a grad, which skips the
+    # matrix's update as torch.optim.Muon skips a None grad. None: the grad exists.
+    _has_grad: torch.Tensor | None = None
     _took_placeholder: bool = False  # DMuon itself removed the placeholder for an arriving grad
     _placeholder: torch.Tensor | None = None  # the grad a reduce leaves on the param (see `leave_grad_placeholder`)
 
@@ -195,16 +203,27 @@ class DedicatedParam:
             self.clear_grad(set_to_none=False)
 
     def clear_grad(self, set_to_none: bool) -> None:
-        """What `zero_grad(set_to_none)` does to a grad, done to the owner's `_reduced_grad`."""
+        """What `zero_grad(set_to_none)` does to a grad, done to the owner's `_reduced_grad` (and to the gather of it
+        in flight: waited for, then dropped)."""
+        self.drop_tp_gather()
         if set_to_none:
-            self._reduced_grad = self._grad_seen = None
+            self._reduced_grad = self._grad_seen = self._has_grad = None
         elif self._reduced_grad is not None:
             self._reduced_grad.zero_()
 
     def reduced_grad(self) -> torch.Tensor | None:
-        """The owner's reduced grad as the user's clears left it (None elsewhere)."""
+        """The owner's reduced grad as the user's clears and the clip left it (None elsewhere)."""
         self.sync_cleared()
+        if self._tp_gather is not None:
+            self._tp_gather.settle()  # the clip factor kept for a gather in flight, applied once it is done
         return self._reduced_grad
+
+    def drop_tp_gather(self) -> None:
+        """Forget the gather of the reduced grad issued from the backward (after waiting for it, and applying the
+        clip factor it kept): the grad is cleared, or written again by a later reduce, which gathers anew."""
+        if self._tp_gather is not None:
+            gather, self._tp_gather = self._tp_gather, None
+            gather.settle()
 
     @property
     def in_owner_column(self) -> bool:

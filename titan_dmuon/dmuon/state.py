@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import replicate_axis as _replicate
+from . import tp as _tp
 from .comm import CommLedger, Streams, WaitMeter, Work, dedicated_group
 
 if TYPE_CHECKING:
@@ -229,12 +230,18 @@ class DMuonState:
     def _finish_stage2(self, group: DedicatedParamGroup, gbuf: torch.Tensor, work: Work) -> None:
         """The owner adds its slice into `_reduced_grad`, on the replicate-axis stream after stage 2 (the
         tensors it writes are allocated by compute first); compute waits for that stream once, at the end of
-        backward (`finish_backward`)."""
+        backward (`finish_backward`). Then the TP matrices whose momentum lives on their TP owner have their
+        reduced grads gathered there, issued now: the gathers run beside the rest of the backward."""
         group.prepare_reduced_grads()
+        gathering = group.tp_gathers()
+        for dp in gathering:  # an earlier backward's gather still reads the grad written below
+            dp.drop_tp_gather()
         with self.streams.use("replicate_broadcast"):
             work.wait()
             group.finish_reduce(gbuf)
-            self._accumulated = self._accumulated.merge(Work([self.streams.event()]))
+            accumulated = Work([self.streams.event()])
+            self._accumulated = self._accumulated.merge(accumulated)
+        _tp.gather_reduced_grads(gathering, self.ledger, self.tp_buffers, accumulated)
 
     def queue_final_callback(self, task: int) -> None:
         """Have the end of backward `task` (the autograd graph task that is running) call `finish_backward`.

@@ -191,7 +191,7 @@ def get_optimizer_state_dict(
             dp = state.by_param.get(p)
             if dp is not None:
                 if p in has_momentum:
-                    buf = optimizer.state[p]["momentum_buffer"] if dp.is_owner else None
+                    buf = _momentum_shard(dp, optimizer) if dp.is_owner else None
                     full = _owner_tensor(state, dp, buf, on_column=False)
                     if emit.keep:
                         out_state[fqn] = {"momentum_buffer": emit(full)}
@@ -248,7 +248,10 @@ def set_optimizer_state_dict(
         if dp is not None:
             if dp.is_owner:
                 full = entry["momentum_buffer"].to(device=dp.local.device, dtype=torch.float32)
-                optimizer.state[p] = {"momentum_buffer": _tp.shard_of_full(full, dp).clone()}
+                if not dp.tp_full_momentum:
+                    optimizer.state[p] = {"momentum_buffer": _tp.shard_of_full(full, dp).clone()}
+                elif dp.is_tp_owner:  # kept whole on its TP owner (tp_gather="backward")
+                    optimizer.state[p] = {"momentum_buffer": full.clone()}
             continue
         optimizer.state[p] = {
             k: (
@@ -384,8 +387,16 @@ def _get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
             if dp is None:
                 out[names[p]] = dict(optimizer.state[p])
             elif dp.is_owner:
-                out[names[p]] = {"momentum_buffer": _tp_view(dp, optimizer.state[p]["momentum_buffer"])}
+                out[names[p]] = {"momentum_buffer": _tp_view(dp, _momentum_shard(dp, optimizer))}
     return {"state": out, "param_groups": _param_groups(names, optimizer)}
+
+
+def _momentum_shard(dp: DedicatedParam, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """On a matrix's DP owner: its (TP-local) momentum buffer, the live one (aliased by a sharded state dict), or a
+    copy of its TP shard where the momentum is kept whole on the TP owner (a TP-group collective: every DP owner of
+    the matrix calls it at the same point). A checkpoint holds the same logical tensor either way."""
+    buf = optimizer.state.get(dp.param, {}).get("momentum_buffer")
+    return _tp.momentum_shard(dp, buf)
 
 
 def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
@@ -397,12 +408,23 @@ def _set_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     params = dict(module.named_parameters())
     _load_param_groups(f"set_optimizer_state_dict{_SHARDED}", params, optimizer, sd["param_groups"])
     _init_optimizer_state(state, optimizer)
+    fqn_of = {p: n for n, p in params.items()}
+    whole = {fqn_of[dp.param]: dp for dp in state.dparams if dp.is_owner and dp.tp_full_momentum}
     held = {
-        n for n, p in params.items() if p in optimizer.state and (p not in state.by_param or state.by_param[p].is_owner)
+        n
+        for n, p in params.items()
+        if (p in optimizer.state and (p not in state.by_param or state.by_param[p].is_owner)) or n in whole
     }
     _check_keys(f"set_optimizer_state_dict{_SHARDED}", held, set(sd["state"]), "param states")
     with torch.no_grad():
-        for fqn in held:
+        for fqn, dp in whole.items():  # in the matrices' order, the same on every rank: each is a TP-group gather
+            saved = sd["state"][fqn]
+            _check_keys(f"set_optimizer_state_dict{_SHARDED}: '{fqn}'", {"momentum_buffer"}, set(saved), "state")
+            shard = local_of(saved["momentum_buffer"]).to(dp._owned_data.device, torch.float32)
+            home = _tp.momentum_home(dp, shard)
+            if home is not None:
+                optimizer.state[dp.param]["momentum_buffer"].copy_(home)
+        for fqn in held - set(whole):
             live = optimizer.state[params[fqn]]
             saved = sd["state"][fqn]
             _check_keys(f"set_optimizer_state_dict{_SHARDED}: '{fqn}'", set(live), set(saved), "state")
@@ -446,7 +468,10 @@ def _init_optimizer_state(state: DMuonState, optimizer: torch.optim.Optimizer) -
                 if not optimizer.state.get(p):
                     init_adamw_state(p, optimizer.state[p])
             elif dp.is_owner and "momentum_buffer" not in optimizer.state.get(p, {}):
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(dp._owned_data)
+                if not dp.tp_full_momentum:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(dp._owned_data)
+                elif dp.is_tp_owner:  # kept whole on the TP owner
+                    optimizer.state[p]["momentum_buffer"] = dp._owned_data.new_zeros(dp.full_shape)
 
 
 def _param_groups(names: dict[nn.Parameter, str], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

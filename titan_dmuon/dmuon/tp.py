@@ -2,10 +2,13 @@
 gather -> NS -> scatter.
 
 A dedicated param that is a DTensor sharded on a mesh dim whose name is not among the DP mesh's names is
-TP-sharded. Its DP ownership works on the local shards exactly as without TP; at step time the DP-owner
-ranks of its TP group gather the (momentum-applied) update shards onto the param's TP owner, which runs
-the same full-matrix Newton-Schulz as every other path and scatters the orthogonalized shards back.
-Momentum, weight decay and the update stay elementwise on the shards (lr scaled by the full shape).
+TP-sharded. Its DP ownership works on the local shards exactly as without TP. On the "gather" path the DP-owner
+ranks of its TP group gather the matrix onto the param's TP owner, which runs the same full-matrix Newton-Schulz
+as every other path and scatters the orthogonalized shards back. What is gathered depends on where the momentum
+lives (`Muon(tp_gather=...)`): "backward" (default) gathers the reduced gradient from the backward that
+completes it, on the reduce stream, and keeps the matrix's momentum whole on the TP owner
+(`DedicatedParam.tp_full_momentum`); "step" keeps the momentum on the shards and gathers the momentum-applied
+update inside `step()`. Weight decay and the update stay elementwise on the shards (lr scaled by the full shape).
 """
 
 from __future__ import annotations
@@ -90,25 +93,59 @@ def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> TPLayout | None
 class TPUpdate:
     """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group: both issued
     async from the reduce stream (their buffers allocated by the compute stream, held for the reduce stream),
-    waited by the compute stream where it reads the gathered matrix / the scattered shard."""
+    waited by the compute stream where it reads the gathered matrix / the scattered shard.
 
-    def __init__(self, dp, update_local: torch.Tensor, ledger: CommLedger, buffers: dict | None):
+    `src` is this rank's shard of what is gathered: the momentum-applied update (gathered in `step()`), or the
+    reduced gradient `dp._reduced_grad` itself (gathered from the backward, `gather_reduced_grad`). A gradient
+    gathered before the step may still be scaled by the clip (`rescale`): the factor is kept, not applied to a
+    shard the gather may still be reading, and applied once the gather is done (`settle`), to the shard and to
+    the gathered matrix."""
+
+    def __init__(self, dp, src: torch.Tensor, ledger: CommLedger, buffers: dict | None):
         self.dp = dp
         self.buffers = buffers  # reused scratch when tp_buffer_reuse asks for it
         size = dp.tp_group.size()
         self.owner_global = dist.get_global_rank(dp.tp_group, dp.tp_owner)
-        self.full_numel = update_local.numel() * size
-        src = update_local.contiguous()
-        self.gathered = [self._scratch("gather", i, src) for i in range(size)] if dp.is_tp_owner else None
-        ledger.record("tp_gather", self.full_numel, size, src.element_size())
+        self.full_numel = src.numel() * size
+        self.src = src if src.is_contiguous() else src.contiguous()
+        self.gathered = [self._scratch("gather", i, self.src) for i in range(size)] if dp.is_tp_owner else None
+        self.scale: torch.Tensor | None = None  # the clip factors since the gather was issued (the gathered matrix's)
+        self.shard_scale: torch.Tensor | None = None  # those not applied to the shard yet (the gather reads it)
+        self._settled = False
+        ledger.record("tp_gather", self.full_numel, size, self.src.element_size())
         streams = dp.group.state.streams
         with trace.phase(trace.TP_GATHER), streams.use(STREAM_OF["tp_gather"]):
-            streams.hold(src, *(self.gathered or ()))
+            streams.hold(self.src, *(self.gathered or ()))
             self._work = Work(
-                [dist.gather(src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True)]
+                [
+                    dist.gather(
+                        self.src, gather_list=self.gathered, dst=self.owner_global, group=dp.tp_group, async_op=True
+                    )
+                ]
             )
         self._ledger = ledger
         self.out_local: torch.Tensor | None = None
+
+    def rescale(self, coef: torch.Tensor) -> None:
+        """The clip scaled the gradient this gather moves by `coef` (a device scalar; no host sync): the gathered
+        matrix takes it at the step; the shard at once if the gather is done, else once it is (`settle`)."""
+        self.scale = coef if self.scale is None else self.scale * coef
+        if self._settled:
+            self.src.mul_(coef.to(self.src.device))
+        else:
+            self.shard_scale = coef if self.shard_scale is None else self.shard_scale * coef
+
+    def settle(self) -> None:
+        """Wait for the gather; apply the clip factor kept for the shard meanwhile (the owner's reduced grad then
+        holds what the user's clip made of it)."""
+        if self._settled:
+            return
+        self._settled = True
+        with trace.phase(trace.TP_GATHER_WAIT):
+            self._work.wait()
+        if self.shard_scale is not None:
+            self.src.mul_(self.shard_scale.to(self.src.device))
+            self.shard_scale = None
 
     def _scratch(self, kind: str, i: int, like: torch.Tensor) -> torch.Tensor:
         if self.buffers is None or kind not in self.buffers["kinds"]:
@@ -120,12 +157,16 @@ class TPUpdate:
         return buf
 
     def full_update(self) -> torch.Tensor | None:
-        """Wait for the gather; on the TP owner return the full (m, n) update matrix."""
-        with trace.phase(trace.TP_GATHER):
-            self._work.wait()
-            if not self.dp.is_tp_owner:
-                return None
-            return torch.cat(self.gathered, dim=self.dp.shard_dim)
+        """Wait for the gather; on the TP owner return the full (m, n) matrix gathered (times the pending clip
+        factor)."""
+        self.settle()
+        if not self.dp.is_tp_owner:
+            return None
+        full = torch.cat(self.gathered, dim=self.dp.shard_dim)
+        self.gathered = None  # the shards are in `full` now (a reused scratch stays in the state's store)
+        if self.scale is not None:
+            full.mul_(self.scale.to(full.device))
+        return full
 
     def scatter(self, ortho_full: torch.Tensor | None, like: torch.Tensor) -> None:
         """Send each TP rank its shard of the orthogonalized update (async)."""
@@ -150,6 +191,46 @@ class TPUpdate:
         with trace.phase(trace.TP_SCATTER):
             self._work.wait()
         return self.out_local
+
+
+def gather_reduced_grads(dps: list, ledger: CommLedger, buffers: dict | None, after: Work) -> None:
+    """From the backward, once the reduce has completed these TP matrices' reduced grads (`after`: the owners'
+    accumulation): gather each onto its TP owner, issued now on the reduce stream, so the gathers run beside
+    the rest of the backward (`DedicatedParam.tp_full_momentum`). A gather an earlier backward of the same step
+    issued is replaced (it moved a partial sum: accumulation without `no_sync`); the caller waited for it before
+    the reduce wrote into the grad it reads."""
+    if not dps:
+        return
+    streams = dps[0].group.state.streams
+    with streams.use(STREAM_OF["tp_gather"]):
+        after.wait()  # the reduce stream waits for the accumulation into `_reduced_grad` (CUDA; nothing on CPU)
+    for dp in dps:
+        dp._tp_gather = TPUpdate(dp, dp._reduced_grad, ledger, buffers)
+
+
+def momentum_shard(dp, buf: torch.Tensor | None) -> torch.Tensor | None:
+    """This DP owner's TP shard of a matrix's momentum `buf` (its optimizer state here, or None): the buffer
+    itself, or for a matrix whose momentum is kept whole on its TP owner, the owner's chunk of it (a scatter
+    over the TP group: every DP owner of the matrix calls this, in the same matrix order)."""
+    if not dp.tp_full_momentum:
+        return buf
+    out = torch.empty(dp._orig_size, dtype=torch.float32, device=dp._owned_data.device)
+    chunks = [c.contiguous() for c in buf.chunk(dp.tp_group.size(), dim=dp.shard_dim)] if dp.is_tp_owner else None
+    owner = dist.get_global_rank(dp.tp_group, dp.tp_owner)
+    dist.scatter(out, scatter_list=chunks, src=owner, group=dp.tp_group, async_op=True).wait()
+    return out
+
+
+def momentum_home(dp, shard: torch.Tensor) -> torch.Tensor | None:
+    """`momentum_shard`'s inverse: what this DP owner keeps of a matrix's momentum given its TP `shard` (the shard
+    itself, or for a matrix whose momentum is kept whole on its TP owner, the whole matrix there and None on the
+    other TP ranks: a gather over the TP group)."""
+    if not dp.tp_full_momentum:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(dp.tp_group.size())] if dp.is_tp_owner else None
+    owner = dist.get_global_rank(dp.tp_group, dp.tp_owner)
+    dist.gather(shard.contiguous(), gather_list=parts, dst=owner, group=dp.tp_group, async_op=True).wait()
+    return torch.cat(parts, dim=dp.shard_dim) if parts is not None else None
 
 
 def _shard_dim(dp) -> int | None:

@@ -17,11 +17,12 @@ BROADCAST_WAIT = "dmuon/broadcast_wait"  # the forward (or backward) waits for t
 REDUCE = "dmuon/reduce"  # backward: the grads packed and reduced to their owners (both stages)
 NEWTON_SCHULZ = "dmuon/newton_schulz"  # the step's Newton-Schulz, on the owners (TP: the TP owner)
 PUBLISH = "dmuon/publish"  # after the update: the owners' params broadcast over the replicate axis (HSDP, DDP)
-TP_GATHER = "dmuon/tp_gather"  # TP: the gather of the update shards onto the TP owner, issued then waited for
+TP_GATHER = "dmuon/tp_gather"  # TP: the gather of a matrix's shards onto its TP owner issued (from the backward)
+TP_GATHER_WAIT = "dmuon/tp_gather_wait"  # TP: the step (or a clear of the grad) waits for that gather
 TP_SCATTER = "dmuon/tp_scatter"  # TP: the scatter of the orthogonalized shards, issued then waited for
 QK_CLIP = "dmuon/qk_clip"  # QK-clip: the attention logit clip of the query/key matrices
 
-PHASES = (PACK, BROADCAST_WAIT, REDUCE, NEWTON_SCHULZ, PUBLISH, TP_GATHER, TP_SCATTER, QK_CLIP)
+PHASES = (PACK, BROADCAST_WAIT, REDUCE, NEWTON_SCHULZ, PUBLISH, TP_GATHER, TP_GATHER_WAIT, TP_SCATTER, QK_CLIP)
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
@@ -42,6 +43,7 @@ __all__ = [
     "QK_CLIP",
     "REDUCE",
     "TP_GATHER",
+    "TP_GATHER_WAIT",
     "TP_SCATTER",
     "phase",
 ]

@@ -11,6 +11,7 @@ in chunks of ceil(rows / shard ranks).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -254,6 +255,24 @@ def packed_peak(sizes: Sequence[float], z3: bool) -> float:
     return max(forward, backward)
 
 
+def _comm_settings(cfg: JobConfig):
+    """The run's `CommSettings` (imported here: the communication plan builds on this module's `Placement`)."""
+    from .communication import CommSettings
+
+    return CommSettings.from_config(cfg)
+
+
+def _whole_on_tp_owner(m: dmuon.costs.Matrix, cfg: JobConfig, settings) -> bool:
+    """Whether a dedicated matrix's momentum (and its gathered grad) lives whole on its TP owner: a dense TP matrix on
+    the "gather" path with optimizer.dmuon.tp_gather "backward" (docs/dmuon.md, "The TP gather")."""
+    return (
+        cfg.optimizer.dmuon.tp_gather == "backward"
+        and not m.expert
+        and m.shard_dim is not None
+        and settings.tp_decision(m).path == "gather"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 def plan_memory(
     model: torch.nn.Module,
@@ -296,16 +315,26 @@ def plan_memory(
     # (s, r) updates. The dense matrices' columns are shard coordinates, the expert stacks' expert-shard ones.
     col_numel, owner_numel = np.zeros(N), np.zeros((R, N))
     e_col_numel, e_owner_numel = np.zeros(G_e), np.zeros((R, G_e))
+    # A TP matrix gathered from the backward (optimizer.dmuon.tp_gather "backward", its "gather" path) keeps its
+    # momentum whole on its TP owner, which also holds its gathered fp32 grad from the backward to the step:
+    # `whole` counts those full matrices at (replicate, shard, TP owner), `whole_local` their shards on the owners.
+    whole, whole_local = np.zeros((R, N, T)), np.zeros((R, N))
+    settings = _comm_settings(cfg)
     for m in matrices:
         col, owner = (e_col_numel, e_owner_numel) if m.expert else (col_numel, owner_numel)
         col[m.owner_shard] += m.numel
         owner[m.owner_replicate, m.owner_shard] += m.numel
-    r_of, s_of, es_of = coords["replicate"], coords["shard"], coords["expert_shard"]
+        if _whole_on_tp_owner(m, cfg, settings):
+            whole[m.owner_replicate, m.owner_shard, m.tp_owner] += math.prod(m.full_shape)
+            whole_local[m.owner_replicate, m.owner_shard] += m.numel
+    r_of, s_of, es_of, t_of = coords["replicate"], coords["shard"], coords["expert_shard"], coords["tp"]
     masters = (col_numel[s_of] + e_col_numel[es_of]) * master_bytes
-    momentum = (owner_numel[r_of, s_of] + e_owner_numel[r_of, es_of]) * master_bytes
+    reduced = (owner_numel[r_of, s_of] + e_owner_numel[r_of, es_of]) * master_bytes  # the owners' _reduced_grad
+    gathered = whole[r_of, s_of, t_of] * master_bytes
+    momentum = reduced - whole_local[r_of, s_of] * master_bytes + gathered
     fsdp = fsdp_numel * fsdp_elem
     adamw = 2 * fsdp
-    grads = fsdp + momentum  # FSDP2's sharded grads + the global owners' fp32 _reduced_grad
+    grads = fsdp + reduced + gathered  # FSDP2's sharded grads + the owners' fp32 reduced grads + the TP gathered
     resident = fsdp + masters + momentum + adamw + grads
     groups: dict[int, list[dmuon.costs.Matrix]] = {}
     for m in matrices:

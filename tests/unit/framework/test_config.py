@@ -540,3 +540,16 @@ def test_dump_toml_round_trips(tmp_path):
     text = dump_toml(cfg)
     assert "[optimizer.muon]" in text and "# seed: unset" in text
     assert load_toml(write(tmp_path, text)) == cfg
+
+
+def test_tp_gather(tmp_path):
+    """[optimizer.dmuon] tp_gather: "backward" (default) or "step" (the TOML, a flag), else a ConfigError naming the
+    key, the value and the choices."""
+    assert JobConfig().optimizer.dmuon.tp_gather == "backward"
+    d = load_toml(write(tmp_path, '[optimizer.dmuon]\ntp_gather = "step"\n')).optimizer.dmuon
+    assert d.tp_gather == "step"
+    assert parse_args(["--optimizer.dmuon.tp_gather", "step"]).optimizer.dmuon.tp_gather == "step"
+    with pytest.raises(
+        ConfigError, match=r"optimizer\.dmuon\.tp_gather: expected one of 'backward', 'step', got 'forward'"
+    ):
+        parse_args(["--optimizer.dmuon.tp_gather", "forward"])

@@ -218,3 +218,18 @@ def test_tp_distributed_gram_policy_reaches_dmuon(one_rank, policy) -> None:
     ):
         dmuon.Muon(model, tp_distributed_gram=True, tp_distributed_gram_policy="sometimes")
     component.close()
+
+
+def test_tp_gather_reaches_dmuon(one_rank) -> None:
+    """[optimizer.dmuon] tp_gather reaches dmuon.Muon, whose default is "backward"; dmuon.Muon refuses another
+    value, naming it and the choices."""
+    from titan_dmuon import dmuon
+
+    cfg = tiny_cfg("dmuon")
+    cfg.optimizer.dmuon.tp_gather = "step"
+    model, component = build_tiny(cfg, one_rank)
+    assert component.optimizer.tp_gather == "step"
+    assert dmuon.Muon(model).tp_gather == "backward"
+    with pytest.raises(ValueError, match=r"tp_gather.*'backward' or 'step', got 'sideways'"):
+        dmuon.Muon(model, tp_gather="sideways")
+    component.close()

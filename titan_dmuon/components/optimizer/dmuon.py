@@ -78,6 +78,7 @@ class DMuon(OptimizerComponent):
             replicate_async=d.replicate_async,
             tp_distributed_gram=d.tp_distributed_gram,
             tp_distributed_gram_policy=d.tp_distributed_gram_policy,
+            tp_gather=d.tp_gather,
         )
         opt = self.optimizer  # what NS will run as, once at start-up (the kernel "auto" resolves to, the dtype)
         device = next(self.model.parameters()).device
