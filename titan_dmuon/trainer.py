@@ -10,9 +10,12 @@ The trainer knows neither the model family nor the optimizer: it asks the family
 (titan_dmuon/components/model.py) and the optimizer component (titan_dmuon/components/optimizer/). The process
 group, its timeouts and the heartbeat are the DistributedRuntime's (titan_dmuon/parallel/runtime.py); validation is
 the Validator's (titan_dmuon/components/validate.py).
-Every rank runs the same steps and the same collectives; a non-finite loss or grad norm (identical on every
-rank after the reductions) stops all ranks at the same step with `TrainingDivergedError`, before the
-optimizer step.
+Every rank runs the same steps and the same collectives. A step reads nothing to the host: the loss and grad norm
+stay on the device, where the step also records the first step whose loss or grad norm was non-finite (identical
+on every rank after the reductions) and the all-reduced stop flag. The host reads them in one sync on "read steps"
+(`Trainer.read_due`: log steps, validation and checkpoint steps, and at least every READ_EVERY steps): a recorded
+divergence raises `TrainingDivergedError` naming the step it happened at, on every rank at the same read step and
+before any checkpoint or validation of a diverged state; an agreed stop signal stops every rank after that step.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ from titan_dmuon.parallel.runtime import DistributedRuntime, ranks_per_node
 
 logger = logging.getLogger(__name__)
 
+# The host reads the step's device record (divergence, the stop flag; the loss and grad norm on log steps) at least
+# every READ_EVERY steps: a stop signal is acted on at most READ_EVERY - 1 steps after the step it arrived in (fewer
+# with a metrics.log_freq below it: every log step reads too), and a divergence is raised at most as late.
+READ_EVERY = 10
+
 
 class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN/inf."""
@@ -76,7 +84,11 @@ class Trainer:
         self.stop_signals = StopSignals()  # installed around the training loop
         self.stop_agreed = False  # every rank saw a stop signal's flag after the last step
         self.tokens_seen = 0  # over all DP ranks
-        self.last_loss = math.nan  # the loss of the last step this run trained
+        self.last_loss = math.nan  # the loss of the last step this run read (the last step is always read)
+        # On the device, updated by every step and read by `_read` only: [the first step whose loss or grad norm was
+        # non-finite (0: none yet), its loss, its grad norm], and the last step's all-reduced stop flag.
+        self._health: torch.Tensor | None = None
+        self._stops: torch.Tensor | None = None
         self.complete = False  # the checkpoint loaded is at or past training.steps: nothing to train or write
         self.elapsed_before = 0.0  # training wall time of the runs this one resumes (from the checkpoint)
         self._train_start: float | None = None  # when this run's training loop started (perf_counter)
@@ -109,6 +121,7 @@ class Trainer:
         check_async_mode(cfg)
         # 1. Device.
         self.device = self._init_device()
+        self._health = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.optimizer_timer = SectionTimer(self.device)  # each step's optimizer.step(): time/optimizer_share
         # 2. Process group: gloo on CPU, NCCL on CUDA; a lone process without torchrun makes a 1-rank group; a group
         #    the caller made (e.g. a test harness) is used and left to it.
@@ -196,6 +209,7 @@ class Trainer:
         #     MoE layers inject their auxiliary loss's gradient themselves (it must survive reentrant activation
         #     checkpointing): scaled as the loss is, by 1 / accumulation steps (titan_dmuon/components/moe.py).
         self._moe_rows = self._moe_layer_rows()
+        self._moe_rows_device: torch.Tensor | None = None
         #     Pipeline: the schedule over this rank's stages; the step's rows (all accumulation micro-batches) are
         #     its microbatches.
         if self.dims.pp_enabled:
@@ -345,10 +359,15 @@ class Trainer:
             logits_mesh=self.dims.meshes.tp if self.loss_parallel else None,
         )
 
-    def train_step(self, data_iter) -> tuple[float, float, int]:
-        """One optimizer step over gradient_accumulation_steps micro-batches.
+    def train_step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer step over gradient_accumulation_steps micro-batches, with no host sync: nothing is read to
+        the host here (`_read` does, on read steps).
 
-        Returns (loss averaged over the DP ranks, global grad norm, tokens this rank processed).
+        Returns (loss averaged over the DP ranks, global grad norm, tokens this rank processed): the first two as
+        0-dim fp32 tensors on the device (reading one, `float(t)`, is a host sync). It also records on the device
+        whether this step's loss or grad norm was non-finite (the first such step is kept) and every rank's stop
+        flag after this step; the optimizer step runs either way (a diverged run raises at the next read step and
+        saves nothing after the divergence).
         """
         accum = self.cfg.training.gradient_accumulation_steps
         self.optimizer.zero_grad()
@@ -361,7 +380,9 @@ class Trainer:
         else:
             for i in range(accum):
                 inputs, labels = next(data_iter)
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                # Pinned by the loader on CUDA: the copies run on the stream, the host goes on (no sync).
+                inputs = inputs.to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
                 # No gradient communication on the micro-batches before the last one (grad accumulation).
                 with (
                     self.optimizer_component.no_sync() if i < accum - 1 else contextlib.nullcontext(),
@@ -374,33 +395,61 @@ class Trainer:
         grad_norm = self.optimizer_component.clip_grad_norm_(self.max_norm)  # global: the same on every rank
         # TP ranks hold the same loss, so the mean over all ranks is the mean over the DP ranks (under a pipeline
         # only the last stage's ranks, one stage's worth, hold one). A stop signal is sampled here, on every rank
-        # after the same step (titan_dmuon/parallel/preemption.py).
-        loss_sum[1] = float(self.stop_signals.pending)
+        # after the same step (titan_dmuon/parallel/preemption.py); the host reads the sum on read steps.
+        loss_sum[1] = 1.0 if self.stop_signals.pending else 0.0  # a fill on the device: no copy
         dist.all_reduce(loss_sum)
-        loss_value, norm_value, stops = torch.stack(
-            [loss_sum[0] / self.dims.stage_size, grad_norm.detach().float().to(self.device), loss_sum[1]]
-        ).tolist()
-        self.stop_agreed = stops > 0
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            raise TrainingDivergedError(
-                f"training diverged at step {self.step}: loss = {loss_value}, grad norm = {norm_value} "
-                "(non-finite); stopping before the optimizer step. Lower the learning rates (the lr of each "
-                "[optimizer.*] table), raise lr_scheduler.warmup_steps or lower training.max_norm"
-            )
+        loss = loss_sum[0] / self.dims.stage_size
+        norm = grad_norm.detach().to(self.device, torch.float32)
+        self._stops = loss_sum[1]
+        self._record_health(loss, norm)
         with self.optimizer_timer.section():
             self.optimizer.step()
         self.lr_scheduler.step()
         if self.has_moe:
             self._moe_scalars = self._moe_after_step()
-        return loss_value, norm_value, ntokens
+        return loss, norm, ntokens
+
+    def _record_health(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """On the device: keep (this step, loss, grad norm) in `_health` if either is non-finite and no earlier
+        step's was (the same on every rank: both are reduced)."""
+        values = torch.stack([loss, norm]).double()
+        first = torch.isfinite(values).all().logical_not() & (self._health[0] == 0)
+        now = torch.cat([values.new_full((1,), float(self.step)), values])
+        self._health = torch.where(first, now, self._health)
+
+    def read_due(self, step: int, last: bool) -> bool:
+        """Whether the host reads the device record after `step` (`_read`): on log steps (step 1, every
+        metrics.log_freq steps, the last), before a checkpoint save or a validation, and every READ_EVERY steps
+        (the stop flag's lag). The same on every rank."""
+        cfg = self.cfg
+        log = step == 1 or step % cfg.metrics.log_freq == 0 or last
+        save = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last)
+        validate = self.validator is not None and self.validator.due(step)
+        return log or save or validate or step % READ_EVERY == 0
+
+    def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+        """The one host sync of a read step: the divergence record, the stop flag and this step's loss and grad
+        norm in one read. Raises TrainingDivergedError (every rank, at the same read step) if a step since the
+        start diverged, naming the first; sets `stop_agreed`. Returns (loss, grad norm) as floats."""
+        record = torch.cat([self._health, torch.stack([self._stops.double(), loss.double(), norm.double()])])
+        bad_step, bad_loss, bad_norm, stops, loss_value, norm_value = record.tolist()
+        if bad_step:
+            raise TrainingDivergedError(
+                f"training diverged at step {int(bad_step)}: loss = {bad_loss}, grad norm = {bad_norm} "
+                f"(non-finite; read after step {self.step}, before any checkpoint or validation of a diverged "
+                "state). Lower the learning rates (the lr of each [optimizer.*] table), raise "
+                "lr_scheduler.warmup_steps or lower training.max_norm"
+            )
+        self.stop_agreed = stops > 0
+        return loss_value, norm_value
 
     def _pipeline_step(self, data_iter, accum: int) -> tuple[torch.Tensor, int]:
         """The forwards and backwards of a step under a pipeline: the accumulation micro-batches' rows are the
         schedule's microbatches, every backward without gradient communication, then one reduce of the grads.
         Returns (the step's mean loss on the last stage's ranks, 0 elsewhere; the tokens this rank fed)."""
-        batches = [next(data_iter) for _ in range(accum)]
-        inputs = torch.cat([b[0] for b in batches]).to(self.device)
-        labels = torch.cat([b[1] for b in batches]).to(self.device)
+        batches = [next(data_iter) for _ in range(accum)]  # pinned on CUDA: copied without a host sync
+        inputs = torch.cat([b[0].to(self.device, non_blocking=True) for b in batches])
+        labels = torch.cat([b[1].to(self.device, non_blocking=True) for b in batches])
         with self.optimizer_component.no_sync(), self._loss_parallel():
             loss = self.pipeline.step(inputs, labels)
         self.optimizer_component.reduce_grads()
@@ -422,22 +471,26 @@ class Trainer:
         # rank, each layer's counts are its stage's ranks' and the aux loss is the mean over layers and ranks.
         n_rows = max([self.n_layers, *(r + 1 for r in self._moe_rows)])  # the whole model's layers
         grid = torch.zeros(n_rows, experts + 1, dtype=torch.float64, device=self.device)
-        rows = torch.tensor(self._moe_rows, dtype=torch.long, device=self.device)
+        if self._moe_rows_device is None:  # made once: a tensor from a list is a (synchronous) host-to-device copy
+            self._moe_rows_device = torch.tensor(self._moe_rows, dtype=torch.long, device=self.device)
+        rows = self._moe_rows_device
         grid[rows, :experts] = local
         grid[rows, experts] = 1.0
         aux = stats["aux_loss"].to(self.device, torch.float64).reshape(1)
-        flat = torch.cat([grid.flatten(), aux * n_local, aux.new_tensor([float(n_local)])])
+        flat = torch.cat([grid.flatten(), aux * n_local, aux.new_full((1,), float(n_local))])
         dist.all_reduce(flat)
         grid = flat[:-2].view_as(grid)
         update_moe_bias(self.model, grid[rows, :experts])
-        counts = grid[grid[:, experts] > 0, :experts]
+        # The rows of MoE layers by a mask kept on the device (indexing by it would read its count to the host).
+        is_moe = grid[:, experts:] > 0
+        counts = grid[:, :experts]
         mean = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         load = counts / mean
         return {
             "moe/aux_loss": flat[-2] / flat[-1].clamp(min=1.0),
-            "moe/max_load": load.max(),
-            "moe/min_load": load.min(),
-            "moe/layers": (grid[:, experts] > 0).sum(),
+            "moe/max_load": torch.where(is_moe, load, -math.inf).max(),
+            "moe/min_load": torch.where(is_moe, load, math.inf).min(),
+            "moe/layers": is_moe.sum(),
         }
 
     def _moe_layer_rows(self) -> list[int]:
@@ -492,13 +545,18 @@ class Trainer:
                 lrs: dict[str, float] = {}
                 for i, group in enumerate(self.optimizer.param_groups):
                     lrs.setdefault(f"lr/{group.get('kind', f'group{i}')}", group["lr"])
-                loss, grad_norm, ntokens = self.train_step(data_iter)
-                self.last_loss = loss
+                loss, grad_norm, ntokens = self.train_step(data_iter)  # device tensors: no host sync
                 self.runtime.use_train_timeout()  # set-up and this process's first step (compile) are done
                 interval_tokens += ntokens
                 self.tokens_seen += ntokens * self.dp_world_size  # every DP rank processes as many
+                last = self.step == t.steps
+                # The step's one host sync, on read steps only: raises on a divergence before anything below
+                # logs, validates or saves (a stop saves only here too).
+                if self.read_due(self.step, last):
+                    loss, grad_norm = self._read(loss, grad_norm)
+                    self.last_loss = loss
                 scalars: dict[str, float] = {}
-                if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                if self.step == 1 or self.step % log_freq == 0 or last:
                     optimizer_s = self.optimizer_timer.read()  # on CUDA, first waits for the last step's optimizer
                     now = time.perf_counter()
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})
@@ -526,9 +584,7 @@ class Trainer:
                     interval_start += time.perf_counter() - val_start  # validation is not training time
                 if scalars:
                     self.metrics.log(self.step, scalars)
-                self.checkpointer.maybe_save(
-                    self.step, self.tokens_seen, last=self.step == t.steps, elapsed_s=self.elapsed_s()
-                )
+                self.checkpointer.maybe_save(self.step, self.tokens_seen, last=last, elapsed_s=self.elapsed_s())
                 if self.stop_agreed and self.step < t.steps:
                     self._stop()
                 profiler.step()

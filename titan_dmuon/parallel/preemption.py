@@ -3,8 +3,10 @@
 
 A signal reaches the ranks at different times (or only some of them), so a rank never stops on its own: the handler
 only records the signal, each rank contributes "I got one" to a reduction every step already makes (the trainer's
-loss all-reduce), and every rank sees the same sum after the same step. They then finish that step, save a
-checkpoint there and exit with `exit_code(signal)`. Signals that come while they do so are recorded and ignored:
+loss all-reduce), and the trainer reads the sum on its read steps (log, checkpoint and validation steps and every
+10th: no host sync on the others, titan_dmuon/trainer.py `read_due`), so every rank sees the same sum after the
+same step, at most 9 steps after the signal. They then finish that step, save a checkpoint there and exit with
+`exit_code(signal)`. Signals that come while they do so are recorded and ignored:
 a second Ctrl-C or SIGTERM cannot interrupt the save. Set-up and tear-down keep the default handlers.
 """
 
