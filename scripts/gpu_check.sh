@@ -132,8 +132,8 @@ section() {
 # ---- env: the packages this machine lacks come from .whl/ (never from a registry) ----------------------------
 env_section() {
     # pip reads no configuration (its indexes and find-links) and no PIP_* variable: .whl/ alone
-    local pip=(env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT -u PIP_REQUIREMENT
-        PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip)
+    local pip=(env -u PYTHONPATH -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT
+        -u PIP_REQUIREMENT PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip)
     local ok=0
     if ! "$PY" -c "import torch" >/dev/null 2>&1; then
         if [ -f "$WHL/torch.txt" ]; then
@@ -147,9 +147,22 @@ env_section() {
     if [ -f "$WHL/requirements.txt" ]; then
         echo "installing from $WHL (pip --no-index) what this machine lacks of: $(tr '\n' ' ' <"$WHL/requirements.txt")"
         if ! "${pip[@]}" install -q --no-index --find-links "$WHL" -r "$WHL/requirements.txt"; then
-            echo "FAIL: pip install --no-index --find-links $WHL failed (wheels for another Python? rerun" \
-                "scripts/fetch_wheels.sh --python X.Y --platform ... for this machine)"
-            ok=1
+            # an externally managed Python (PEP 668) takes no install: every wheel but torch's and the project's
+            # into a folder of their own, put on PYTHONPATH for the sections after this one
+            local site=$WORK/site wheels=()
+            for w in "$WHL"/*.whl; do
+                case "$(basename "$w")" in torch-* | titan_dmuon-*) ;; *) wheels+=("$w") ;; esac
+            done
+            echo "that install failed; retrying into $site (on PYTHONPATH for the next sections)"
+            if [ ${#wheels[@]} -gt 0 ] &&
+                "${pip[@]}" install -q --no-index --no-deps --target "$site" "${wheels[@]}"; then
+                echo "$site" >"$WORK/site_path"
+                export PYTHONPATH=$PYTHONPATH:$site
+            else
+                echo "FAIL: pip install --no-index --find-links $WHL failed (wheels for another Python? rerun" \
+                    "scripts/fetch_wheels.sh --python X.Y --platform ... for this machine)"
+                ok=1
+            fi
         fi
     else
         echo "no $WHL/requirements.txt: nothing installed (scripts/fetch_wheels.sh makes it)"
@@ -193,6 +206,10 @@ EOF
 }
 export -f env_section
 section env "environment, wheels from .whl/" 300 bash -c env_section
+if [ -f "$WORK/site_path" ]; then
+    PYTHONPATH=$PYTHONPATH:$(cat "$WORK/site_path")
+    export PYTHONPATH
+fi
 echo "mode $MODE, $N rank(s); time budget ${BUDGET} s for the sections; scratch $WORK"
 
 # ---- compat: every private torch API the code calls ------------------------------------------------------------

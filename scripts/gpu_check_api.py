@@ -18,6 +18,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,9 +231,13 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     PrivateAPI(
         f"{FSDP}._fsdp_state:FSDPState._state_ctx",
         ("parallel/pipeline.py",),
-        probe=lambda: _fsdp_state_ctx(),
+        probe=lambda: _fsdp_state_sets("_state_ctx"),
     ),
-    PrivateAPI(f"{FSDP}._fsdp_state:FSDPState._fsdp_param_groups", ("parallel/pipeline.py",), probe=lambda: None),
+    PrivateAPI(
+        f"{FSDP}._fsdp_state:FSDPState._fsdp_param_groups",
+        ("parallel/pipeline.py",),
+        probe=lambda: _fsdp_state_sets("_fsdp_param_groups"),
+    ),
     PrivateAPI(f"{FSDP}._fsdp_state:FSDPState._root_post_backward_final_callback", ("parallel/pipeline.py",)),
     PrivateAPI(
         "torch.distributed.pipelining.schedules:ScheduleLoopedBFS._calculate_single_rank_operations",
@@ -301,11 +306,11 @@ def _module_parameters() -> None:
         raise AttributeError("nn.Module._parameters is not a dict")
 
 
-def _fsdp_state_ctx() -> None:
+def _fsdp_state_sets(name: str) -> None:
+    """FSDPState's __init__ sets `name` on the instance (an FSDPState needs a module and a mesh to exist)."""
     state = importlib.import_module(f"{FSDP}._fsdp_state")
-    src = inspect.getsource(state.FSDPState.__init__)
-    if "_state_ctx" not in src:
-        raise AttributeError("FSDPState() sets no _state_ctx")
+    if f"self.{name}" not in inspect.getsource(state.FSDPState.__init__):
+        raise AttributeError(f"FSDPState() sets no {name}")
 
 
 # ---- the scan -------------------------------------------------------------------------------------------------
@@ -509,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in unguarded:
         print(f"  UNGUARDED {line}")
     ok = ok and not left and not unguarded
+    if os.environ.get("GPU_CHECK_PLANTED"):  # scripts/gpu_check.sh GPU_CHECK_PLANT_FAIL=compat
+        print("FAIL: planted failure (GPU_CHECK_PLANTED)")
+        ok = False
     print(f"compat: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
