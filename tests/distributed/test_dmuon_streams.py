@@ -37,7 +37,7 @@ EXPECTED = {
     ("group.py", "reduce"): ("reduce", {"_start_stage2"}),
     ("replicate_axis.py", "reduce"): ("replicate_broadcast", {"_finish_stage2"}),
     ("replicate_axis.py", "broadcast"): ("replicate_broadcast", {"wait_publish"}),
-    ("tp.py", "gather"): ("reduce", {"settle"}),
+    ("tp.py", "gather"): ("replicate_broadcast", {"settle"}),  # tp_gather="backward": the grad's gather
     ("tp.py", "scatter"): ("replicate_broadcast", {"wait"}),
 }
 # Where the waiting stream is not (only) the compute stream: the replicate-axis stream waits for stage 1 before
@@ -429,7 +429,7 @@ def test_collectives_async_on_their_streams_and_waited_where_consumed(layout):
             ("replicate_axis.py", "broadcast", "replicate_broadcast"),
         }
     if layout in ("dp_tp", "3d"):
-        want |= {("tp.py", "gather", "reduce"), ("tp.py", "scatter", "replicate_broadcast")}
+        want |= {("tp.py", "gather", "replicate_broadcast"), ("tp.py", "scatter", "replicate_broadcast")}
     assert want <= kinds, f"not exercised: {sorted(want - kinds)}"
 
 

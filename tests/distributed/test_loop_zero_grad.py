@@ -29,6 +29,20 @@ def optimizer_zero_grad_keep(side: Side) -> None:
     side.opt.zero_grad(set_to_none=False)
 
 
+def keep_after_the_no_grad_step(side: Side, steps: int) -> list[float]:
+    """`optimizer.zero_grad()` after every step but the one where no rank uses `UNUSED_BY_ALL` (step 3), after which
+    the grads are kept (`set_to_none=False`): that matrix's grad stays None there (torch's), and the next backward
+    gives it one, which its step must apply (a has-grad flag left over from step 3 would skip it)."""
+    losses = []
+    for step in range(steps):
+        loss = side.loss(step)
+        loss.backward()
+        side.opt.step()
+        side.opt.zero_grad(set_to_none=step % 4 != 3)
+        losses.append(side.mean(loss))
+    return losses
+
+
 LOOPS = {
     name: (functools.partial(plain_loop, clear=clear), None)
     for name, clear in (
@@ -38,6 +52,7 @@ LOOPS = {
         ("optimizer.zero_grad(set_to_none=False)", optimizer_zero_grad_keep),
     )
 }
+LOOPS["set_to_none=False after the step no rank had a grad"] = (keep_after_the_no_grad_step, None)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -199,3 +199,18 @@ def test_keep_latest_k_1_keeps_an_intact_step(runs, tmp_path):
     assert read_checkpoint(folder / "step-4")["train_state.step"].item() == 4
     names = step_names(tmp_path)
     assert names[0] == "step-4" and len(names) == 2 and re.fullmatch(r"step-4\.damaged-[0-9a-f]+", names[1]), names
+
+
+def test_damaged_newest_step_under_tp_resumes_from_the_step_before(tmp_path):
+    """dp2 x tp2 on 4 ranks: only the rank whose share of the files holds the truncated shard sees the damage and
+    stops its check early; the others build the load's template, which under TP is a collective (a TP owner's
+    whole momentum is scattered into the TP shards a checkpoint holds). Built on every rank before any check may
+    stop, it cannot hang: the rerun names the damage and resumes from step 2."""
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    _ok(launch(4, tmp_path, *tp))
+    assert step_names(tmp_path) == ["step-2", "step-4"]
+    shard = damage(tmp_path / "checkpoint" / "step-4", "truncate")
+    text = "".join((lambda p: [p.stdout, p.stderr])(_ok(launch(4, tmp_path, *tp))))
+    warnings = [line for line in text.splitlines() if "is damaged" in line]
+    assert len(warnings) == 1 and shard in warnings[0], warnings
+    assert "Resumed at step 2" in text

@@ -78,14 +78,16 @@ class Work:
 
 # The stream each kind is issued from (docs/dmuon.md, "CUDA streams"): the shard axis on the two high-priority
 # streams; the replicate axis (stage-2 reduce, publish) on a default-priority one (FSDP2's split between its
-# all-gather / reduce-scatter streams and its all-reduce stream); the TP gather with the reduces, the TP
-# scatter, whose result the next forward consumes, with the publish.
+# all-gather / reduce-scatter streams and its all-reduce stream); the TP gather of an update in `step()` with the
+# reduces, the TP gather of a reduced grad from the backward on the replicate-axis stream that accumulated it (so the
+# reduce stream never waits for that axis), the TP scatter, whose result the next forward consumes, with the publish.
 STREAM_OF = {
     "broadcast": "broadcast",
     "reduce": "reduce",
     "replicate_reduce": "replicate_broadcast",
     "replicate_broadcast": "replicate_broadcast",
     "tp_gather": "reduce",
+    "tp_grad_gather": "replicate_broadcast",
     "tp_scatter": "replicate_broadcast",
 }
 

@@ -292,6 +292,10 @@ class DedicatedParamGroup:
             if dp.is_owner and dp._reduced_grad is None:
                 dp._reduced_grad = torch.zeros(dp._orig_size, dtype=torch.float32, device=self.device)
                 dp._grad_seen = torch.zeros((), dtype=torch.float32, device=self.device)
+            elif dp.is_owner and dp._has_grad is not None and dp._grad_seen is None:
+                # a grad kept (not set to None) whose step settled its has-grad flag: count on from that flag, so a
+                # matrix no rank had a grad for takes its first one now (torch's None grad becomes a grad)
+                dp._grad_seen = dp._has_grad.float()
 
     @torch.no_grad()
     def finish_reduce(self, gbuf: torch.Tensor) -> None:

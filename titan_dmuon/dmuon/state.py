@@ -239,9 +239,8 @@ class DMuonState:
         with self.streams.use("replicate_broadcast"):
             work.wait()
             group.finish_reduce(gbuf)
-            accumulated = Work([self.streams.event()])
-            self._accumulated = self._accumulated.merge(accumulated)
-        _tp.gather_reduced_grads(gathering, self.ledger, self.tp_buffers, accumulated)
+            self._accumulated = self._accumulated.merge(Work([self.streams.event()]))
+        _tp.gather_reduced_grads(gathering, self.ledger, self.tp_buffers)
 
     def queue_final_callback(self, task: int) -> None:
         """Have the end of backward `task` (the autograd graph task that is running) call `finish_backward`.
@@ -305,6 +304,8 @@ class DMuonState:
         for work in works:
             if work is not None:
                 work.wait()
+        for dp in self.dparams:  # a TP gather from a backward no step consumed
+            dp.drop_tp_gather()
         self._pending.clear()
         self._stage2.clear()
         self._accumulated = Work()

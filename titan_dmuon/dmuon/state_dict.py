@@ -368,7 +368,9 @@ def _set_sharded_model_state_dict(model: nn.Module, sd: dict[str, torch.Tensor])
 
 
 def _get_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's share of `optimizer`'s state, by param FQN, aliasing the live state (no collective).
+    """This rank's share of `optimizer`'s state, by param FQN, aliasing the live state; a TP matrix whose momentum is
+    kept whole on its TP owner gives each DP owner a copy of its TP shard (a scatter over the TP group: every rank
+    calls this at the same point).
 
     `{"state": {fqn: {...}}, "param_groups": [{kind, lr, ..., "params": [fqn, ...]}, ...]}`: a dedicated
     matrix's `momentum_buffer` only on its global owner (a DTensor over its TP mesh when TP shards it); AdamW's

@@ -101,7 +101,7 @@ class TPUpdate:
     shard the gather may still be reading, and applied once the gather is done (`settle`), to the shard and to
     the gathered matrix."""
 
-    def __init__(self, dp, src: torch.Tensor, ledger: CommLedger, buffers: dict | None):
+    def __init__(self, dp, src: torch.Tensor, ledger: CommLedger, buffers: dict | None, stream: str | None = None):
         self.dp = dp
         self.buffers = buffers  # reused scratch when tp_buffer_reuse asks for it
         size = dp.tp_group.size()
@@ -114,7 +114,7 @@ class TPUpdate:
         self._settled = False
         ledger.record("tp_gather", self.full_numel, size, self.src.element_size())
         streams = dp.group.state.streams
-        with trace.phase(trace.TP_GATHER), streams.use(STREAM_OF["tp_gather"]):
+        with trace.phase(trace.TP_GATHER), streams.use(stream or STREAM_OF["tp_gather"]):
             streams.hold(self.src, *(self.gathered or ()))
             self._work = Work(
                 [
@@ -193,19 +193,15 @@ class TPUpdate:
         return self.out_local
 
 
-def gather_reduced_grads(dps: list, ledger: CommLedger, buffers: dict | None, after: Work) -> None:
-    """From the backward, once the reduce has completed these TP matrices' reduced grads (`after`: the owners'
-    accumulation): gather each onto its TP owner, issued now on the reduce stream, so the gathers run beside
-    the rest of the backward (`DedicatedParam.tp_full_momentum`). A gather an earlier backward of the same step
-    issued is replaced (it moved a partial sum: accumulation without `no_sync`); the caller waited for it before
-    the reduce wrote into the grad it reads."""
-    if not dps:
-        return
-    streams = dps[0].group.state.streams
-    with streams.use(STREAM_OF["tp_gather"]):
-        after.wait()  # the reduce stream waits for the accumulation into `_reduced_grad` (CUDA; nothing on CPU)
+def gather_reduced_grads(dps: list, ledger: CommLedger, buffers: dict | None) -> None:
+    """From the backward, once the reduce has completed these TP matrices' reduced grads: gather each onto its TP
+    owner, issued now, so the gathers run beside the rest of the backward (`DedicatedParam.tp_full_momentum`).
+    They are issued from the replicate-axis stream, which accumulated the grads they read: no other stream waits
+    for that axis (the reduce stream's next packs and stage-1 reduces go on). A gather an earlier backward of the
+    same step issued is replaced (it moved a partial sum: accumulation without `no_sync`); the caller waited for
+    it before the reduce wrote into the grad it reads."""
     for dp in dps:
-        dp._tp_gather = TPUpdate(dp, dp._reduced_grad, ledger, buffers)
+        dp._tp_gather = TPUpdate(dp, dp._reduced_grad, ledger, buffers, stream=STREAM_OF["tp_grad_gather"])
 
 
 def momentum_shard(dp, buf: torch.Tensor | None) -> torch.Tensor | None:

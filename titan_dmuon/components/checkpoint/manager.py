@@ -538,14 +538,13 @@ class CheckpointManager:
         is intact or was saved before checksums were kept: an INFO line says it is unchecked; what this rank's check
         read for the load, or None). CheckpointError when rank 0 sees neither .metadata nor checksums.json (a
         partial folder) or another rank does not see the folder at all."""
-        # What `_verify_step`'s template is made of, made on every rank before any rank's check may stop early: the
-        # first call may run collectives (torch's get_optimizer_state_dict steps a fresh optimizer, e.g. muon_naive's)
-        self.optim.model_state_dict()
-        if not model_only:
-            self.optim.checkpoint_state_dict()
+        # What `_verify_step`'s template is made of, made here on every rank before any rank's check may stop early,
+        # and reused by it: a call may run collectives (torch's get_optimizer_state_dict steps a fresh optimizer, e.g.
+        # muon_naive's; DMuon's scatters each TP owner's momentum into the TP shards a checkpoint holds)
+        parts = (self.optim.model_state_dict(), None if model_only else self.optim.checkpoint_state_dict())
         read = None
         try:
-            mine, read = self._verify_step(path, model_only)
+            mine, read = self._verify_step(path, model_only, parts)
         except Exception as e:  # noqa: BLE001 - told to every rank (which would otherwise wait in the gather)
             mine = (True, f"it could not be checked ({type(e).__name__}: {e})", True)
         views: list[tuple[bool, str | None, bool] | None] = [None] * self.world_size
@@ -571,14 +570,17 @@ class CheckpointManager:
             )
         return None, read
 
-    def _verify_step(self, path: Path, model_only: bool) -> tuple[tuple[bool, str | None, bool], _StepRead | None]:
+    def _verify_step(
+        self, path: Path, model_only: bool, parts: tuple[dict, dict | None]
+    ) -> tuple[tuple[bool, str | None, bool], _StepRead | None]:
         """This rank's check of step folder `path`, reading no file (or block) it would not read to load it:
         ((whether it sees the folder: its checksums.json or .metadata, the damage found or None, whether it was
         checked against a checksums.json), what it read of `.metadata` for the load: None when it read none or found
         damage). The sizes of a share of the files (a stat each, every file by some rank); the checksums of .metadata
         (every rank reads it), of rank 0's config.toml and marker (rank 0 reads them) and of the blocks holding the
         bytes this rank loads (DCP's metadata, planned as dcp.load plans). A mismatch of keys or shapes is not
-        damage: `_load_dcp` names it."""
+        damage: `_load_dcp` names it. `parts`: the (model, optimizer) state dicts its template is made of, built on
+        every rank by `_check_step` (this check may stop early on one rank: it runs no collective)."""
         if not ((path / MANIFEST).is_file() or (path / METADATA).is_file()):
             return (False, None, False), None
         try:
@@ -602,7 +604,7 @@ class CheckpointManager:
         metadata = read.metadata
         saved = metadata.state_dict_metadata
         read.model_only = model_only or not any(k.startswith("optimizer.") for k in saved)
-        state = read.template = self._template(saved, read.model_only)
+        state = read.template = self._template(saved, read.model_only, parts)
         if self._mismatch(path, state, saved):
             return (True, None, True), read
         planner = SafeLoadPlanner()  # what dcp.load will read on this rank: (file, offset, length) of each item
@@ -765,16 +767,20 @@ class CheckpointManager:
         self._record("load", step, rss_before, peak_before, local_bytes(state), gather=True)
         return step
 
-    def _template(self, saved: dict[str, Any], model_only: bool) -> dict[str, Any]:
-        """What to load into: the live state's layout (the loaded values land in it)."""
-        state: dict[str, Any] = {"model": self.optim.model_state_dict()}
+    def _template(
+        self, saved: dict[str, Any], model_only: bool, parts: tuple[dict, dict | None] | None = None
+    ) -> dict[str, Any]:
+        """What to load into: the live state's layout (the loaded values land in it); `parts`: the (model, optimizer)
+        state dicts to use, already built (else built here: every rank must call it then)."""
+        model_sd, optim_sd = parts if parts is not None else (self.optim.model_state_dict(), None)
+        state: dict[str, Any] = {"model": model_sd}
         if "train_state.step" in saved:
             state["train_state"] = {"step": torch.tensor(0), "tokens_seen": torch.tensor(0)}
             if "train_state.elapsed_s" in saved:  # older checkpoints have no elapsed_s: it starts from 0
                 state["train_state"]["elapsed_s"] = torch.tensor(0.0, dtype=torch.float64)
         if model_only:
             return state
-        state["optimizer"] = self.optim.checkpoint_state_dict()
+        state["optimizer"] = optim_sd if optim_sd is not None else self.optim.checkpoint_state_dict()
         state["lr_scheduler"] = {"last_epoch": torch.tensor(0)}
         state["dataloader"] = {
             "step": torch.tensor(0),
