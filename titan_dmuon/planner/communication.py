@@ -25,6 +25,7 @@ from titan_dmuon.parallel.expert_parallel import all_to_all_bytes
 from titan_dmuon.parallel.parallelize import ac_plan
 
 from .memory import Placement
+from .settings import CommSettings
 from .summary import summary
 
 costs = dmuon.costs
@@ -36,30 +37,6 @@ FORMULA_OF_KIND = {
     "replicate_reduce": "replicate_reduce (per rank: (R-1)/R (P_col(shard) + M_col(shard)))",
     "replicate_broadcast": "replicate_broadcast (per rank)",
 }
-
-
-@dataclass(frozen=True)
-class CommSettings:
-    """The settings of a run that change what moves."""
-
-    tp_distributed_gram: bool  # optimizer.dmuon.tp_distributed_gram: TP matrices may take the "gram" path
-    gram_restarts: tuple[int, ...]  # the Gram NS restarts (one more Gram all-reduce each)
-    fsdp_reshard_after_forward: str  # parallelism.fsdp_reshard_after_forward
-    tp_distributed_gram_policy: str = "beneficial"  # optimizer.dmuon.tp_distributed_gram_policy: which of them do
-
-    @classmethod
-    def from_config(cls, cfg: JobConfig) -> CommSettings:
-        mc = cfg.optimizer.muon
-        return cls(
-            tp_distributed_gram=cfg.optimizer.dmuon.tp_distributed_gram,
-            gram_restarts=tuple(dmuon.gram_restarts(dmuon.resolve_coefficients(mc.ns_coefficients, mc.ns_steps))),
-            fsdp_reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            tp_distributed_gram_policy=cfg.optimizer.dmuon.tp_distributed_gram_policy,
-        )
-
-    def tp_decision(self, m: costs.Matrix) -> costs.TPDecision:
-        """A dense matrix's TP path and why: `costs.tp_decision`, the rule dmuon.Muon follows."""
-        return m.tp_decision(self.tp_distributed_gram, self.tp_distributed_gram_policy, self.gram_restarts)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from titan_dmuon.dtypes import to_dtype
 from titan_dmuon.parallel import ParallelDims, fsdp_blocks
 from titan_dmuon.parallel.expert_parallel import expert_modules
 
+from .settings import CommSettings
 from .summary import GIB, summary
 
 MEMORY_TERMS = (
@@ -255,14 +256,7 @@ def packed_peak(sizes: Sequence[float], z3: bool) -> float:
     return max(forward, backward)
 
 
-def _comm_settings(cfg: JobConfig):
-    """The run's `CommSettings` (imported here: the communication plan builds on this module's `Placement`)."""
-    from .communication import CommSettings
-
-    return CommSettings.from_config(cfg)
-
-
-def _whole_on_tp_owner(m: dmuon.costs.Matrix, cfg: JobConfig, settings) -> bool:
+def _whole_on_tp_owner(m: dmuon.costs.Matrix, cfg: JobConfig, settings: CommSettings) -> bool:
     """Whether a dedicated matrix's momentum (and its gathered grad) lives whole on its TP owner: a dense TP matrix on
     the "gather" path with optimizer.dmuon.tp_gather "backward" (docs/dmuon.md, "The TP gather")."""
     return (
@@ -319,7 +313,7 @@ def plan_memory(
     # momentum whole on its TP owner, which also holds its gathered fp32 grad from the backward to the step:
     # `whole` counts those full matrices at (replicate, shard, TP owner), `whole_local` their shards on the owners.
     whole, whole_local = np.zeros((R, N, T)), np.zeros((R, N))
-    settings = _comm_settings(cfg)
+    settings = CommSettings.from_config(cfg)
     for m in matrices:
         col, owner = (e_col_numel, e_owner_numel) if m.expert else (col_numel, owner_numel)
         col[m.owner_shard] += m.numel
