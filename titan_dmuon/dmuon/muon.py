@@ -123,19 +123,22 @@ class Muon(torch.optim.Optimizer):
         self.tp_distributed_gram = tp_distributed_gram
         self.tp_distributed_gram_policy = _tp.check_gram_policy(tp_distributed_gram_policy)
         self._head_blocks = _active_head_blocks(state, self.options)
-        # the matrices whose NS needs no TP communication: whole ones, and TP shards that hold whole head blocks
-        self._local_ns = {
-            dp for dp in state.dparams if _tp.update_path(dp, self._head_blocks.get(dp), False) == "local"
-        }
         if tp_gather not in ("backward", "step"):
             raise OptionError("tp_gather", f"must be 'backward' or 'step', got {tp_gather!r}")
         self.tp_gather = tp_gather
-        for dp in state.dparams:  # where each TP matrix's momentum lives, and so what its gather moves
-            dp.drop_tp_gather()
-            path = _tp.update_path(
-                dp, self._head_blocks.get(dp), self.tp_distributed_gram, self.tp_distributed_gram_policy, self.options
+        # Each matrix's NS path, decided once: "local" (whole, or TP shards holding whole head blocks: no TP
+        # communication), "gram" or "gather"; a gather-path matrix's momentum lives whole on its TP owner under
+        # tp_gather="backward", which is what its gather moves.
+        self._paths = {
+            dp: _tp.update_path(
+                dp, self._head_blocks.get(dp), tp_distributed_gram, self.tp_distributed_gram_policy, self.options
             )
-            dp.tp_full_momentum = tp_gather == "backward" and dp.tp_group is not None and path == "gather"
+            for dp in state.dparams
+        }
+        self._local_ns = {dp for dp, path in self._paths.items() if path == "local"}
+        for dp, path in self._paths.items():
+            dp.drop_tp_gather()
+            dp.tp_full_momentum = tp_gather == "backward" and path == "gather"
         muon_defaults = self.options.group_defaults()
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         groups = self._build_groups(model, param_groups or [], muon_defaults, adamw_defaults)
@@ -237,11 +240,7 @@ class Muon(torch.optim.Optimizer):
                     tp_jobs.append((job, dict(opts, has_grad=dp._has_grad)))
                     continue
                 update = self._momentum(dp, opts)
-                blocks = self._head_blocks.get(dp)  # per-head, not aligned with the TP shards: gather, NS per head
-                if (
-                    _tp.update_path(dp, blocks, self.tp_distributed_gram, self.tp_distributed_gram_policy, self.options)
-                    == "gram"
-                ):
+                if self._paths[dp] == "gram":
                     t0 = time.perf_counter()  # every TP rank iterates on the s×s Gram: no gather/scatter
                     with trace.phase(trace.NEWTON_SCHULZ):
                         ortho = self._orthogonalize([update], opts, dp)[0]

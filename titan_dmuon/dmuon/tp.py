@@ -6,7 +6,7 @@ TP-sharded. Its DP ownership works on the local shards exactly as without TP. On
 ranks of its TP group gather the matrix onto the param's TP owner, which runs the same full-matrix Newton-Schulz
 as every other path and scatters the orthogonalized shards back. What is gathered depends on where the momentum
 lives (`Muon(tp_gather=...)`): "backward" (default) gathers the reduced gradient from the backward that
-completes it, on the reduce stream, and keeps the matrix's momentum whole on the TP owner
+completes it, on the replicate-axis stream that accumulated it, and keeps the matrix's momentum whole on the TP owner
 (`DedicatedParam.tp_full_momentum`); "step" keeps the momentum on the shards and gathers the momentum-applied
 update inside `step()`. Weight decay and the update stay elementwise on the shards (lr scaled by the full shape).
 """
@@ -92,8 +92,9 @@ def tp_layout(name: str, p: torch.Tensor, dp_names: set[str]) -> TPLayout | None
 
 class TPUpdate:
     """One TP param's gather -> NS on the TP owner -> scatter, on the DP-owner ranks of its TP group: both issued
-    async from the reduce stream (their buffers allocated by the compute stream, held for the reduce stream),
-    waited by the compute stream where it reads the gathered matrix / the scattered shard.
+    async from a side stream (`comm.STREAM_OF`: the gather's is `stream`; their buffers allocated by the compute
+    stream, held for the side stream), waited by the compute stream where it reads the gathered matrix / the
+    scattered shard.
 
     `src` is this rank's shard of what is gathered: the momentum-applied update (gathered in `step()`), or the
     reduced gradient `dp._reduced_grad` itself (gathered from the backward, `gather_reduced_grad`). A gradient
