@@ -417,15 +417,16 @@ class Trainer:
         now = torch.cat([values.new_full((1,), float(self.step)), values])
         self._health = torch.where(first, now, self._health)
 
+    def log_due(self, step: int, last: bool) -> bool:
+        """Whether step `step` logs its metrics: step 1, every metrics.log_freq steps and the last."""
+        return step == 1 or step % self.cfg.metrics.log_freq == 0 or last
+
     def read_due(self, step: int, last: bool) -> bool:
-        """Whether the host reads the device record after `step` (`_read`): on log steps (step 1, every
-        metrics.log_freq steps, the last), before a checkpoint save or a validation, and every READ_EVERY steps
-        (the stop flag's lag). The same on every rank."""
-        cfg = self.cfg
-        log = step == 1 or step % cfg.metrics.log_freq == 0 or last
-        save = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or last)
+        """Whether the host reads the device record after `step` (`_read`): on log steps (`log_due`), before a
+        checkpoint save or a validation, and every READ_EVERY steps (the stop flag's lag). The same on every
+        rank."""
         validate = self.validator is not None and self.validator.due(step)
-        return log or save or validate or step % READ_EVERY == 0
+        return self.log_due(step, last) or self.checkpointer.save_due(step, last) or validate or step % READ_EVERY == 0
 
     def _read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         """The one host sync of a read step: the divergence record, the stop flag and this step's loss and grad
@@ -521,7 +522,6 @@ class Trainer:
                 self.step,
             )
             return
-        log_freq = cfg.metrics.log_freq
         data_iter = iter(self.dataloader)
         logger.info(
             "Training %d steps: global batch %d x %d tokens (local %d x %d DP ranks x %d accumulation)",
@@ -556,7 +556,7 @@ class Trainer:
                     loss, grad_norm = self._read(loss, grad_norm)
                     self.last_loss = loss
                 scalars: dict[str, float] = {}
-                if self.step == 1 or self.step % log_freq == 0 or last:
+                if self.log_due(self.step, last):
                     optimizer_s = self.optimizer_timer.read()  # on CUDA, first waits for the last step's optimizer
                     now = time.perf_counter()
                     scalars.update({"loss/train": loss, "grad_norm": grad_norm, **lrs})

@@ -232,10 +232,15 @@ class CheckpointManager:
         if not self.c.enable:
             return
         self._poll()
-        if (step % self.c.interval == 0 or last) and step != self.loaded_step:
+        if self.save_due(step, last):
             self.save(step, tokens_seen, model_only=last and self.c.last_save_model_only, elapsed_s=elapsed_s)
             if last and self.c.last_save_in_hf:
                 self.save_hf(step)
+
+    def save_due(self, step: int, last: bool = False) -> bool:
+        """Whether `maybe_save` saves after step `step`: every `interval` steps and at the last step, unless that
+        step is the one this run loaded."""
+        return self.c.enable and (step % self.c.interval == 0 or last) and step != self.loaded_step
 
     def save_for_stop(self, step: int, tokens_seen: int, elapsed_s: float = 0.0) -> bool:
         """A stop signal ended the run after `step`: make sure a full checkpoint of that step exists (save it unless
